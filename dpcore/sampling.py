@@ -1,0 +1,330 @@
+"""Batch sampling for DP-SGD as fixed-shape, masked `tf.data` pipelines.
+
+Contract:
+  * `poisson_batches` implements Poisson subsampling: at every logical step each of the
+    N examples is included independently with probability `sampling_prob` (q), with fresh,
+    independent randomness per step. This is the sampling scheme that the privacy
+    accountant's `PoissonSampledDpEvent` assumes.
+  * Every element of the returned dataset is a 4-tuple `(x_batch, y_batch, mask, step_end)`:
+    `x_batch` / `y_batch` have the structure of `x` / `y` with exactly `padded_batch_size` (P)
+    rows (padding rows are zeros), `mask` is float32 `[P]` (1.0 real row, 0.0 padding) and
+    `step_end` is a bool scalar that is True on the last chunk of a logical step. All shapes are
+    static, so a compiled train step traces once; an empty sample is a valid step (all-zero
+    mask, `step_end=True`).
+  * Normally a logical step is one element. If a step's sample holds more than P examples
+    (overflow), it is emitted as ceil(n / P) consecutive chunks with `step_end` True only on the
+    last one: no example is ever dropped or resampled, so overflow introduces no bias. The
+    consumer accumulates the chunks and adds noise once, on `step_end`.
+  * The dataset arrays are held once (as tensors captured by the pipeline); each step draws an
+    O(N) Bernoulli vector and gathers only the selected rows, so memory stays bounded.
+  * `shuffled_batches` yields the same 4-tuple for the (non-Poisson) shuffle mode: every
+    example exactly once per epoch, the last partial batch padded and masked.
+
+Consumers must normalise by the expected batch size q * N, never by the realized count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "padded_batch_size_for",
+    "poisson_batches",
+    "shuffled_batches",
+    "num_examples",
+]
+
+DEFAULT_FAILURE_PROB = 1e-12
+
+
+def _log_binom_pmf(k: int, n: int, q: float) -> float:
+    """log P(Binomial(n, q) = k), for 0 < q < 1 and 0 <= k <= n."""
+    return (
+        math.lgamma(n + 1)
+        - math.lgamma(k + 1)
+        - math.lgamma(n - k + 1)
+        + k * math.log(q)
+        + (n - k) * math.log1p(-q)
+    )
+
+
+def binomial_tail_bound(threshold: int, num_examples: int, sampling_prob: float) -> float:
+    """Upper bound on P(Binomial(num_examples, sampling_prob) > threshold).
+
+    For k above the mean the pmf ratio r(k) = pmf(k+1) / pmf(k) = (n - k) q / ((k + 1)(1 - q))
+    is decreasing in k, so the tail from k0 = threshold + 1 is at most the geometric series
+    pmf(k0) / (1 - r(k0)). The bound is within a small factor of the exact tail. Returns 1.0
+    when `threshold` is not beyond the point where the ratio drops below one.
+
+    Args:
+      threshold: the padded batch size P.
+      num_examples: N.
+      sampling_prob: q.
+
+    Returns:
+      A number in [0, 1] that is >= the exact tail probability.
+    """
+    n, q = int(num_examples), float(sampling_prob)
+    k0 = int(threshold) + 1
+    if k0 > n or q <= 0.0:
+        return 0.0
+    if q >= 1.0:
+        return 1.0
+    ratio = (n - k0) * q / ((k0 + 1) * (1.0 - q))
+    if ratio >= 1.0:
+        return 1.0
+    return min(1.0, math.exp(_log_binom_pmf(k0, n, q)) / (1.0 - ratio))
+
+
+def padded_batch_size_for(
+    num_examples: int,
+    sampling_prob: float,
+    failure_prob: float = DEFAULT_FAILURE_PROB,
+) -> int:
+    """Smallest padded batch size P whose per-step overflow probability is tiny.
+
+    P is the smallest integer (at least 1, at most N) such that a rigorous upper bound on
+    P(Binomial(N, q) > P) (see `binomial_tail_bound`, a geometric-series bound on the exact
+    binomial tail, within a small factor of it) is at most `failure_prob`. With the default
+    1e-12 an overflow is astronomically unlikely; if one happens anyway `poisson_batches`
+    splits the step into extra chunks, so the choice affects speed only, never correctness.
+
+    Args:
+      num_examples: dataset size N (>= 1).
+      sampling_prob: per-example inclusion probability q in (0, 1].
+      failure_prob: target bound on the per-step overflow probability, in (0, 1).
+
+    Returns:
+      The padded batch size P.
+    """
+    n = int(num_examples)
+    q = float(sampling_prob)
+    if n < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}.")
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling_prob must be in (0, 1], got {sampling_prob}.")
+    if not 0.0 < failure_prob < 1.0:
+        raise ValueError(f"failure_prob must be in (0, 1), got {failure_prob}.")
+    if q == 1.0:
+        return n
+    # The bound is non-increasing in P above the mean; binary search on [floor(mean), n].
+    lo = max(0, int(math.floor(n * q)))
+    hi = n  # bound(n) == 0 always satisfies the condition.
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if binomial_tail_bound(mid, n, q) <= failure_prob:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(1, lo)
+
+
+def num_examples(x: Any, y: Any) -> int:
+    """Number of examples N in `(x, y)`, checking that every array agrees on it."""
+    leaves = tf.nest.flatten((x, y))
+    if not leaves:
+        raise ValueError("x and y must contain at least one array.")
+    sizes = {int(np.shape(leaf)[0]) if np.ndim(leaf) > 0 else -1 for leaf in leaves}
+    if -1 in sizes:
+        raise ValueError("Every array in x and y needs a leading example axis.")
+    if len(sizes) != 1:
+        raise ValueError(f"Arrays in x and y disagree on the number of examples: {sorted(sizes)}.")
+    n = sizes.pop()
+    if n < 1:
+        raise ValueError("The dataset is empty.")
+    return n
+
+
+def _entropy_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+
+
+def _base_key(seed: int | None) -> tf.Tensor:
+    """A Philox key [2] int64 from a user seed, or from OS entropy when seed is None."""
+    if seed is None:
+        hi, lo = _entropy_seed(), _entropy_seed()
+    else:
+        seed = int(seed)
+        if seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}.")
+        # Two independent-looking words from one integer seed (hashing keeps seed 0 and 1
+        # far apart in key space).
+        words = np.random.SeedSequence(seed).generate_state(2, dtype=np.uint64)
+        hi, lo = (int(w) & ((1 << 63) - 1) for w in words)
+    return tf.constant([hi, lo], dtype=tf.int64)
+
+
+def _to_tensors(tree: Any) -> Any:
+    return tf.nest.map_structure(tf.convert_to_tensor, tree)
+
+
+def _gather_padded(tree: Any, indices: tf.Tensor, padded_size: int) -> Any:
+    """Rows `indices` (length <= padded_size) of every tensor in `tree`, zero-padded to P."""
+    count = tf.shape(indices)[0]
+
+    def one(t: tf.Tensor) -> tf.Tensor:
+        rows = tf.gather(t, indices)
+        paddings = tf.concat(
+            [[[0, padded_size - count]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], axis=0
+        )
+        out = tf.pad(rows, paddings)
+        return tf.ensure_shape(out, [padded_size] + t.shape[1:].as_list())
+
+    return tf.nest.map_structure(one, tree)
+
+
+def _chunked(xs: Any, ys: Any, indices: tf.Tensor, padded_size: int) -> tf.data.Dataset:
+    """Split `indices` into ceil(n / P) (at least one) padded, masked chunks."""
+    count = tf.shape(indices, out_type=tf.int64)[0]
+    p = tf.constant(padded_size, tf.int64)
+    num_chunks = tf.maximum(tf.constant(1, tf.int64), (count + p - 1) // p)
+
+    def chunk(c: tf.Tensor):
+        sel = indices[c * p : (c + 1) * p]
+        real = tf.shape(sel)[0]
+        mask = tf.concat(
+            [tf.ones([real], tf.float32), tf.zeros([padded_size - real], tf.float32)], 0
+        )
+        mask = tf.ensure_shape(mask, [padded_size])
+        step_end = tf.equal(c, num_chunks - 1)
+        return (
+            _gather_padded(xs, sel, padded_size),
+            _gather_padded(ys, sel, padded_size),
+            mask,
+            step_end,
+        )
+
+    return tf.data.Dataset.range(num_chunks).map(chunk)
+
+
+def poisson_batches(
+    x: Any,
+    y: Any,
+    *,
+    sampling_prob: float,
+    steps: int,
+    padded_batch_size: int | None = None,
+    seed: int | None = None,
+    start_step: int = 0,
+) -> tf.data.Dataset:
+    """Poisson-subsampled, fixed-shape, masked batches for `steps` logical steps.
+
+    At each logical step s every example is included independently with probability
+    `sampling_prob`: a Bernoulli vector over all N examples is drawn from a counter-based
+    (Philox) stateless generator keyed by (seed, start_step + s), in float64, so inclusion is
+    independent across examples and across steps. The selected rows are gathered and padded to
+    `padded_batch_size` rows; see the module docstring for the element format and the overflow
+    rule (a sample larger than P becomes several chunks of the same step; nothing is dropped).
+
+    Args:
+      x: features: a numpy array / tensor or a (nested) structure of them, leading axis N.
+      y: labels, same convention as `x`.
+      sampling_prob: per-example inclusion probability q in (0, 1].
+      steps: number of logical steps to emit (>= 0).
+      padded_batch_size: rows per element P; default `padded_batch_size_for(N, q)`, the
+        smallest P whose per-step overflow probability is below 1e-12.
+      seed: non-negative integer seed for reproducible runs (tests, debugging). None (the
+        default) draws the seed from OS entropy, which is what a private run should use.
+      start_step: index of the first step; a resumed run passes the number of steps already
+        taken so that, with a fixed seed, it never replays the samples of earlier steps.
+
+    Returns:
+      A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)`.
+
+    Privacy:
+      This is the Poisson subsampling that `PoissonSampledDpEvent(sampling_prob, ...)` accounts
+      for, provided the consumer (1) treats each logical step (chunks up to `step_end`) as one
+      noisy step, (2) ignores rows with mask 0 and (3) normalises by the expected batch size
+      q * N. The batch size seen by the model (P) is data-independent; the realized count
+      (sum of mask) is data-dependent and must not leak except through the noisy update. A
+      fixed `seed` makes the sample choice predictable to anyone who knows it: only use one
+      when that is acceptable.
+    """
+    n = num_examples(x, y)
+    q = float(sampling_prob)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling_prob must be in (0, 1], got {sampling_prob}.")
+    if int(steps) < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}.")
+    if int(start_step) < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}.")
+    p = padded_batch_size_for(n, q) if padded_batch_size is None else int(padded_batch_size)
+    if p < 1:
+        raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}.")
+    xs, ys = _to_tensors(x), _to_tensors(y)
+    key = _base_key(seed)
+    q64 = tf.constant(q, tf.float64)
+
+    def step_sample(step: tf.Tensor) -> tf.data.Dataset:
+        step_key = tf.random.experimental.stateless_fold_in(key, step, alg="philox")
+        u = tf.random.stateless_uniform([n], seed=step_key, dtype=tf.float64, alg="philox")
+        indices = tf.where(u < q64)[:, 0]
+        return _chunked(xs, ys, indices, p)
+
+    start = int(start_step)
+    return (
+        tf.data.Dataset.range(start, start + int(steps))
+        .flat_map(step_sample)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def shuffled_batches(
+    x: Any,
+    y: Any,
+    *,
+    batch_size: int,
+    epochs: int,
+    seed: int | None = None,
+) -> tf.data.Dataset:
+    """Shuffled fixed-size batches: every example exactly once per epoch.
+
+    Each epoch draws a fresh permutation (stateless Philox keyed by (seed, epoch)) and cuts it
+    into ceil(N / batch_size) batches; the last, partial batch is zero-padded and masked. Each
+    element has the same `(x_batch, y_batch, mask, step_end)` format as `poisson_batches`,
+    with `step_end` always True (one element per logical step).
+
+    Args:
+      x: features (array or nested structure of arrays, leading axis N).
+      y: labels, same convention.
+      batch_size: rows per batch (>= 1), also the padded size.
+      epochs: number of passes over the data (>= 0).
+      seed: non-negative integer seed; None draws one from OS entropy.
+
+    Returns:
+      A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)`.
+
+    Privacy:
+      This is NOT Poisson sampling: the accountant must not apply Poisson amplification to
+      these batches. Each example contributes to exactly one step per epoch; account for it
+      accordingly (e.g. no amplification, one full-dataset composition per epoch) and label
+      any Poisson-assumed figure as an assumption.
+    """
+    n = num_examples(x, y)
+    b = int(batch_size)
+    if b < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if int(epochs) < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}.")
+    xs, ys = _to_tensors(x), _to_tensors(y)
+    key = _base_key(seed)
+
+    def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
+        epoch_key = tf.random.experimental.stateless_fold_in(key, epoch, alg="philox")
+        u = tf.random.stateless_uniform([n], seed=epoch_key, dtype=tf.float64, alg="philox")
+        perm = tf.argsort(u, stable=True)
+        num_batches = (n + b - 1) // b
+
+        def one(i: tf.Tensor):
+            sel = perm[i * b : (i + 1) * b]
+            sel = tf.cast(sel, tf.int64)
+            return _chunked(xs, ys, sel, b)
+
+        return tf.data.Dataset.range(num_batches).flat_map(one)
+
+    return tf.data.Dataset.range(int(epochs)).flat_map(epoch_batches).prefetch(tf.data.AUTOTUNE)
