@@ -1,0 +1,1 @@
+"""dpcore: differentially private training for TensorFlow 2 / Keras 3."""

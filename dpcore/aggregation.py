@@ -1,0 +1,195 @@
+"""Clipping and noise aggregation.
+
+Contract:
+- :func:`clip` turns a :class:`~dpcore.engine.summary.GradientSummary` into a :class:`ClippedSum`:
+  each example's gradient scaled by ``min(1, C / ||g_i||)`` (flat) or per variable group, then
+  summed. Its ``l2_sensitivity`` is the largest L2 norm one example can contribute: ``C`` for flat
+  clipping, ``sqrt(sum_g C_g^2)`` for per-group clipping, under add/remove-one adjacency.
+- Nothing rescales a ``ClippedSum`` before noise. :func:`privatize` adds Gaussian noise of std
+  ``noise_multiplier * l2_sensitivity`` to every coordinate of the sum, exactly once, and then
+  divides by ``expected_batch_size`` (never by the realized batch size).
+- Noise is drawn from ``tf.random.stateless_normal`` with a seed the caller owns (the optimizer
+  keeps it as checkpointed state), so the same seed reproduces the same noise and a resumed run
+  draws fresh noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from dpcore.engine.summary import GradientSummary
+
+_TINY = 1e-12
+
+
+def _check_clip(name: str, value: float) -> float:
+    value = float(value)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}.")
+    return value
+
+
+def check_privacy_args(
+    *, l2_norm_clip: float | Sequence[float], noise_multiplier: float, expected_batch_size: float
+) -> None:
+    """Raises ValueError naming the argument for out-of-range privacy parameters."""
+    clips = l2_norm_clip if isinstance(l2_norm_clip, (list, tuple)) else [l2_norm_clip]
+    if not clips:
+        raise ValueError("l2_norm_clip=[]: give one bound, or one per variable group.")
+    for c in clips:
+        _check_clip("l2_norm_clip", c)
+    if not float(noise_multiplier) >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}.")
+    if not float(expected_batch_size) > 0:
+        raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedSum:
+    """The sum of clipped per-example gradients of one (micro-)batch.
+
+    Attributes:
+      grads: one tensor per variable: ``sum_i w_i * grad_i``.
+      l2_sensitivity: the most one example can change ``grads`` in L2 norm (a Python float).
+      num_examples: realized number of unmasked examples (for logging; never for normalization).
+      per_example_norms: ``[B]`` unclipped per-example gradient norms (zero where masked).
+      clip_weights: ``[B, V]`` the factors applied to each example's gradient for each variable.
+      per_example_loss: ``[B]`` the examples' losses (zero where masked).
+    """
+
+    grads: tuple[tf.Tensor, ...]
+    l2_sensitivity: float
+    num_examples: tf.Tensor
+    per_example_norms: tf.Tensor
+    clip_weights: tf.Tensor
+    per_example_loss: tf.Tensor
+
+
+def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float) -> tf.Tensor:
+    """``min(1, l2_norm_clip / norm)`` elementwise (1 for a zero norm).
+
+    Privacy:
+      A scaled gradient has norm at most ``l2_norm_clip``.
+    """
+    l2_norm_clip = _check_clip("l2_norm_clip", l2_norm_clip)
+    return tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, _TINY))
+
+
+def clip(
+    summary: GradientSummary,
+    *,
+    l2_norm_clip: float | Sequence[float],
+    variable_groups: Sequence[int] | None = None,
+) -> ClippedSum:
+    """Clips every example's gradient and sums them.
+
+    Args:
+      summary: the engine's per-example norms and weighted-sum function for one batch.
+      l2_norm_clip: a single bound ``C`` (flat clipping over all variables), or one bound per
+        variable group.
+      variable_groups: with a list of bounds, the group index of each variable in
+        ``summary.variables`` (default: one group per variable, in order).
+
+    Returns:
+      A :class:`ClippedSum` with ``l2_sensitivity`` C, or ``sqrt(sum C_g^2)`` per group.
+
+    Privacy:
+      Each example's contribution to each group is scaled to norm ``<= C_g``; masked examples get
+      weight 0. The result must receive noise before it leaves the trusted step.
+    """
+    sq = tf.cast(summary.sq_norms, tf.float32)
+    num_vars = len(summary.variables)
+    mask = tf.cast(summary.mask, tf.float32)
+    if isinstance(l2_norm_clip, (list, tuple)):
+        bounds = [_check_clip("l2_norm_clip", c) for c in l2_norm_clip]
+        groups = list(range(num_vars)) if variable_groups is None else list(variable_groups)
+        if len(groups) != num_vars:
+            raise ValueError(
+                f"variable_groups has {len(groups)} entries but there are {num_vars} variables."
+            )
+        if sorted(set(groups)) != list(range(len(bounds))):
+            raise ValueError(
+                f"variable_groups={groups} must use every group index 0..{len(bounds) - 1} "
+                f"(one per l2_norm_clip bound, got {len(bounds)} bounds)."
+            )
+        one_hot = tf.one_hot(groups, len(bounds), dtype=tf.float32)  # [V, G]
+        group_norms = tf.sqrt(tf.matmul(sq, one_hot))  # [B, G]
+        factors = tf.minimum(1.0, tf.constant(bounds) / tf.maximum(group_norms, _TINY))
+        weights = tf.matmul(factors, one_hot, transpose_b=True)  # [B, V]
+        sensitivity = math.sqrt(sum(c * c for c in bounds))
+    else:
+        c = _check_clip("l2_norm_clip", l2_norm_clip)
+        factors = clip_factors(tf.sqrt(tf.reduce_sum(sq, axis=1)), l2_norm_clip=c)
+        weights = tf.tile(factors[:, None], [1, num_vars])
+        sensitivity = c
+    weights = weights * mask[:, None]
+    grads = tuple(summary.weighted_sum(weights))
+    return ClippedSum(
+        grads=grads,
+        l2_sensitivity=sensitivity,
+        num_examples=tf.reduce_sum(mask),
+        per_example_norms=tf.sqrt(tf.reduce_sum(sq, axis=1)) * mask,
+        clip_weights=weights,
+        per_example_loss=summary.per_example_loss,
+    )
+
+
+def gaussian_noise(
+    like: Sequence[tf.Tensor], *, stddev: float | tf.Tensor, seed: tf.Tensor
+) -> list[tf.Tensor]:
+    """Independent ``N(0, stddev^2)`` noise shaped like each tensor of ``like``.
+
+    Args:
+      like: tensors giving shapes and dtypes.
+      stddev: the standard deviation.
+      seed: an int32/int64 tensor of shape ``[2]``; tensor ``j`` uses ``fold_in(seed, j)``.
+
+    Returns:
+      One noise tensor per input.
+    """
+    seed = tf.cast(seed, tf.int64)
+    out = []
+    for j, t in enumerate(like):
+        s = tf.random.experimental.stateless_fold_in(seed, j)
+        noise = tf.random.stateless_normal(tf.shape(t), seed=s, stddev=1.0, dtype=tf.float32)
+        out.append(tf.cast(noise * tf.cast(stddev, tf.float32), t.dtype))
+    return out
+
+
+def privatize(
+    clipped: ClippedSum,
+    *,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    seed: tf.Tensor,
+) -> list[tf.Tensor]:
+    """Adds Gaussian noise once to a clipped sum and normalizes by the expected batch size.
+
+    Args:
+      clipped: the (possibly accumulated) clipped sum of one logical step.
+      noise_multiplier: σ; noise std is ``σ * clipped.l2_sensitivity``.
+      expected_batch_size: the divisor (``sampling_prob * num_examples`` under Poisson sampling).
+      seed: ``[2]`` integer tensor; a fresh one per logical step.
+
+    Returns:
+      The privatized average gradient, one tensor per variable.
+
+    Privacy:
+      This is the Gaussian mechanism on a sum of L2 sensitivity ``clipped.l2_sensitivity``. Call it
+      exactly once per logical step; dividing by a data-independent constant keeps the guarantee.
+    """
+    check_privacy_args(
+        l2_norm_clip=clipped.l2_sensitivity,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+    )
+    scale = 1.0 / float(expected_batch_size)
+    if float(noise_multiplier) == 0.0:  # no noise requested (tests, non-private baselines)
+        return [g * scale for g in clipped.grads]
+    stddev = float(noise_multiplier) * clipped.l2_sensitivity
+    noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed)
+    return [(g + n) * scale for g, n in zip(clipped.grads, noise)]

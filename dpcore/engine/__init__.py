@@ -1,0 +1,256 @@
+"""The per-example gradient engine.
+
+Contract: :func:`summarize` turns one batch into a
+:class:`~dpcore.engine.summary.GradientSummary` (per-example squared norms per variable and a
+weighted-sum function), by one of two paths:
+
+- ``"vectorized"``: per-example gradients for any model via ``tf.vectorized_map``;
+- ``"fast"``: per-layer rules (ghost norms, book-keeping clipped sums) that never materialize
+  ``[B, *var.shape]`` tensors where a cheaper form exists; layers without a rule fall back to
+  vectorized gradients for their own variables only.
+
+``"auto"`` picks the fast path when the model is a graph-structured Keras model (Sequential or
+Functional), else the vectorized path. Everything runs inside the caller's compiled step.
+:func:`per_example_gradients` and :func:`per_example_norms` are the public entry points for users
+who want the per-example quantities themselves; called eagerly they compile once per model and
+options and reuse the compiled function on later calls (no retrace per step).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from dpcore.engine.summary import GradientSummary, check_variables, prepare_batch
+from dpcore.engine.vectorized import materialize, vectorized_summary
+from dpcore.losses import per_example_loss_fn
+
+METHODS = ("auto", "vectorized", "fast")
+
+__all__ = [
+    "GradientSummary",
+    "METHODS",
+    "per_example_gradients",
+    "per_example_norms",
+    "summarize",
+]
+
+
+def _fast_available(model: Any) -> bool:
+    try:
+        from dpcore.engine import ghost
+    except ImportError:
+        return False
+    supports = getattr(ghost, "supports", None)
+    return bool(supports(model)) if supports is not None else False
+
+
+def summarize(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    sample_weight: Any = None,
+    mask: Any = None,
+    variables: Sequence[Any] | None = None,
+    method: str = "auto",
+    training: bool = True,
+    chunk_size: int | None = None,
+    wrt_inputs: bool = False,
+    nonfinite: str = "raise",
+) -> GradientSummary:
+    """Per-example gradient summary of one batch (call inside a compiled step).
+
+    Args:
+      model: a Keras model.
+      loss: a per-example loss (see :func:`dpcore.losses.per_example_loss_fn`).
+      x: inputs with a leading batch axis (tensor or nested structure).
+      y: labels.
+      sample_weight: optional ``[B]`` weights multiplying each example's loss.
+      mask: optional ``[B]``; 0/False marks padding examples, which contribute nothing.
+      variables: defaults to ``model.trainable_variables``.
+      method: ``"auto"``, ``"vectorized"`` or ``"fast"``.
+      training: passed to the model call (dropout etc.).
+      chunk_size: vectorized path only: examples per chunk, bounding peak memory.
+      wrt_inputs: also compute per-example gradients w.r.t. the inputs, in the same step.
+      nonfinite: ``"raise"`` or ``"skip"`` examples whose inputs or labels hold NaN/Inf.
+
+    Returns:
+      A :class:`GradientSummary`.
+
+    Raises:
+      ValueError: for an unknown method, a model without trainable variables, a scalar loss or a
+        batch-size mismatch.
+
+    Privacy:
+      Every per-example quantity depends on one example only; masked and skipped examples have
+      zero norm and zero weight.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; expected one of {METHODS}.")
+    variables = check_variables(model.trainable_variables if variables is None else variables)
+    loss_fn = per_example_loss_fn(loss)
+    x, y, sample_weight, mask = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
+    use_fast = method == "fast" or (
+        method == "auto" and chunk_size is None and _fast_available(model)
+    )
+    if use_fast:
+        from dpcore.engine.ghost import fast_summary
+
+        return fast_summary(
+            model,
+            loss_fn,
+            x,
+            y,
+            sample_weight,
+            mask,
+            variables,
+            training=training,
+            wrt_inputs=wrt_inputs,
+        )
+    return vectorized_summary(
+        model,
+        loss_fn,
+        x,
+        y,
+        sample_weight,
+        mask,
+        variables,
+        training=training,
+        chunk_size=chunk_size,
+        wrt_inputs=wrt_inputs,
+    )
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(model: Any, key: tuple, build) -> Any:
+    per_model = _COMPILED.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = tf.function(build, reduce_retracing=True)
+    return per_model[key]
+
+
+def _run(model: Any, key: tuple, build, *args) -> Any:
+    if tf.inside_function():
+        return build(*args)
+    return _compiled(model, key, build)(*args)
+
+
+def per_example_gradients(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    sample_weight: Any = None,
+    mask: Any = None,
+    variables: Sequence[Any] | None = None,
+    training: bool = False,
+    wrt_inputs: bool = False,
+    nonfinite: str = "raise",
+) -> Any:
+    """Per-example gradients, one ``[B, *var.shape]`` tensor per variable.
+
+    Args:
+      model: any Keras model.
+      loss: a per-example loss (``reduction=None``, shape ``[B]``).
+      x: inputs with a leading batch axis.
+      y: labels.
+      sample_weight: optional ``[B]`` weights.
+      mask: optional ``[B]`` padding mask (masked rows are all-zero).
+      variables: defaults to ``model.trainable_variables``.
+      training: passed to the model call.
+      wrt_inputs: if True, return ``(weight_grads, input_grads)`` where ``input_grads`` has the
+        structure of ``x`` (None for non-floating leaves), computed in the same compiled step.
+      nonfinite: ``"raise"`` or ``"skip"`` (see :func:`summarize`).
+
+    Returns:
+      A list of per-example gradients, or ``(list, input_grads)`` with ``wrt_inputs``.
+
+    Privacy:
+      Returns unclipped per-example gradients: sensitive data. Clip and noise them before release.
+    """
+    variables = check_variables(model.trainable_variables if variables is None else variables)
+    loss_fn = per_example_loss_fn(loss)
+
+    def build(x, y, sample_weight, mask):
+        xp, yp, sw, mk = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
+        grads, in_grads, _, _ = materialize(
+            model, loss_fn, xp, yp, sw * mk, variables, training=training, wrt_inputs=wrt_inputs
+        )
+        if not wrt_inputs:
+            return grads
+        it = iter(in_grads)
+        leaves = [next(it) if t.dtype.is_floating else None for t in tf.nest.flatten(xp)]
+        return grads, tf.nest.pack_sequence_as(xp, leaves)
+
+    key = (
+        "grads",
+        id(loss),
+        tuple(id(v) for v in variables),
+        training,
+        wrt_inputs,
+        nonfinite,
+        sample_weight is None,
+        mask is None,
+    )
+    return _run(model, key, build, x, y, sample_weight, mask)
+
+
+def per_example_norms(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    sample_weight: Any = None,
+    mask: Any = None,
+    variables: Sequence[Any] | None = None,
+    training: bool = False,
+    method: str = "auto",
+    nonfinite: str = "raise",
+) -> tf.Tensor:
+    """Per-example global L2 gradient norms, shape ``[B]`` (0 for masked examples).
+
+    Args: as :func:`summarize`.
+
+    Returns:
+      ``[B]`` float32 norms.
+
+    Privacy:
+      Unclipped norms are sensitive: do not release them without privatization.
+    """
+    variables = check_variables(model.trainable_variables if variables is None else variables)
+
+    def build(x, y, sample_weight, mask):
+        s = summarize(
+            model,
+            loss,
+            x,
+            y,
+            sample_weight=sample_weight,
+            mask=mask,
+            variables=variables,
+            method=method,
+            training=training,
+            nonfinite=nonfinite,
+        )
+        return tf.sqrt(tf.reduce_sum(s.sq_norms, axis=1))
+
+    key = (
+        "norms",
+        id(loss),
+        tuple(id(v) for v in variables),
+        training,
+        method,
+        nonfinite,
+        sample_weight is None,
+        mask is None,
+    )
+    return _run(model, key, build, x, y, sample_weight, mask)

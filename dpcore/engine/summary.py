@@ -1,0 +1,144 @@
+"""The engine's output type and batch preparation shared by every engine path.
+
+Contract: an engine path (vectorized or fast) turns one batch into a :class:`GradientSummary`:
+per-example squared gradient norms for each variable, and a way to form weighted sums of the
+per-example gradients without the caller ever seeing them. Masked examples have zero loss, zero
+norm and zero weight. Everything here runs inside the caller's compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+NONFINITE_MODES = ("raise", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientSummary:
+    """Per-example gradient information for one batch.
+
+    Attributes:
+      variables: the variables the gradients are taken with respect to, in order.
+      sq_norms: ``[B, V]`` float32: squared L2 norm of example ``i``'s gradient for variable ``v``
+        (zero for masked examples).
+      per_example_loss: ``[B]`` loss of each example, sample weight applied, zero where masked.
+      mask: ``[B]`` float32, 1.0 for real examples and 0.0 for padding or skipped examples.
+      y_pred: the model's output on the batch.
+      weighted_sum: ``weights [B, V] -> [sum_i weights[i, v] * grad_i[v] for v]``. Callers pass
+        clip factors here; no per-example gradient leaves the engine.
+      input_gradients: per-example gradients of each example's loss w.r.t. the inputs (same
+        structure as ``x``), or None when not requested.
+      paths: for reporting, a mapping from layer (or variable) name to the path that computed it.
+    """
+
+    variables: tuple[Any, ...]
+    sq_norms: tf.Tensor
+    per_example_loss: tf.Tensor
+    mask: tf.Tensor
+    y_pred: Any
+    weighted_sum: Callable[[tf.Tensor], list[tf.Tensor]]
+    input_gradients: Any = None
+    paths: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def batch_size_of(x: Any) -> tf.Tensor:
+    """The dynamic batch size of a (possibly nested) input."""
+    return tf.shape(tf.nest.flatten(x)[0])[0]
+
+
+def _all_finite_rows(t: tf.Tensor) -> tf.Tensor:
+    t = tf.convert_to_tensor(t)
+    if not (t.dtype.is_floating or t.dtype.is_complex):
+        return tf.ones([tf.shape(t)[0]], tf.bool)
+    flat = tf.reshape(t, [tf.shape(t)[0], -1])
+    return tf.reduce_all(tf.math.is_finite(flat), axis=1)
+
+
+def _zero_rows(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    t = tf.convert_to_tensor(t)
+    if not t.dtype.is_floating:
+        return t
+    shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(t) - 1], tf.int32)], 0)
+    return tf.where(tf.reshape(keep, shape), t, tf.zeros_like(t))
+
+
+def prepare_batch(
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    mask: Any = None,
+    *,
+    nonfinite: str = "raise",
+) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
+    """Validates a batch and returns ``(x, y, sample_weight [B], mask [B])``.
+
+    Args:
+      x: model inputs, a tensor or nested structure with a leading batch axis.
+      y: labels with the same leading batch axis.
+      sample_weight: optional ``[B]`` weights (default 1).
+      mask: optional ``[B]`` booleans or 0/1 floats; False/0 marks a padding example.
+      nonfinite: ``"raise"`` fails the step on NaN/Inf in ``x`` or ``y``; ``"skip"`` masks such
+        examples out (their inputs are zeroed so nothing non-finite reaches the weights).
+
+    Returns:
+      The batch with float32 ``sample_weight`` and ``mask`` of shape ``[B]``.
+
+    Privacy:
+      Skipping is decided per example from that example's own values, so it does not change the
+      sensitivity of the clipped sum.
+    """
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite={nonfinite!r}; expected one of {NONFINITE_MODES}.")
+    b = batch_size_of(x)
+    for t in tf.nest.flatten(y):
+        t = tf.convert_to_tensor(t)
+        static_x = (
+            tf.nest.flatten(x)[0].shape[0] if hasattr(tf.nest.flatten(x)[0], "shape") else None
+        )
+        if (
+            static_x is not None
+            and t.shape.rank
+            and t.shape[0] is not None
+            and t.shape[0] != static_x
+        ):
+            raise ValueError(
+                f"labels y have batch size {t.shape[0]} but inputs x have batch size {static_x}."
+            )
+    mask = tf.ones([b], tf.float32) if mask is None else tf.cast(tf.reshape(mask, [-1]), tf.float32)
+    sample_weight = (
+        tf.ones([b], tf.float32)
+        if sample_weight is None
+        else tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
+    )
+    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
+    finite = tf.reduce_all(tf.stack([_all_finite_rows(t) for t in leaves], 0), 0)
+    if nonfinite == "raise":
+        tf.debugging.Assert(
+            tf.reduce_all(finite | (mask <= 0)),
+            [
+                "dpcore: NaN or Inf in the batch inputs/labels; pass nonfinite='skip' to drop such "
+                "examples instead"
+            ],
+        )
+    else:
+        mask = mask * tf.cast(finite, tf.float32)
+    # Padded and skipped rows are zeroed so that their (zero-weighted) gradients stay finite.
+    keep = mask > 0
+    x = tf.nest.map_structure(lambda t: _zero_rows(t, keep), x)
+    y = tf.nest.map_structure(lambda t: _zero_rows(t, keep), y)
+    return x, y, sample_weight, mask
+
+
+def check_variables(variables: Sequence[Any]) -> tuple[Any, ...]:
+    """Rejects an empty variable list with a clear message."""
+    variables = tuple(variables)
+    if not variables:
+        raise ValueError(
+            "the model has no trainable variables (or variables=[] was passed): there is "
+            "nothing to privatize."
+        )
+    return variables

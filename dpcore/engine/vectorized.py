@@ -1,0 +1,246 @@
+"""Vectorized per-example gradients for any Keras model.
+
+Contract: :func:`vectorized_summary` computes each example's gradient by running the model on that
+example alone inside ``tf.vectorized_map`` (one compiled program for the whole batch, no Python
+loop). When TensorFlow cannot vectorize some op of the model (stateful random ops, some control
+flow), it falls back to ``tf.map_fn`` over examples and warns once per model. With ``chunk_size``,
+the batch is processed ``chunk_size`` examples at a time: norms in a first pass and the weighted
+sum in a second, so peak memory is bounded by one chunk's gradients; every example is still
+clipped on its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from dpcore.engine.summary import GradientSummary
+
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _per_example_fn(
+    model: Any,
+    loss_fn: Callable,
+    variables: Sequence[Any],
+    *,
+    training: bool,
+    wrt_inputs: bool,
+) -> Callable:
+    def fn(args):
+        xi, yi, wi = args
+        xb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
+        yb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), yi)
+        with tf.GradientTape() as tape:
+            if wrt_inputs:
+                tape.watch([t for t in tf.nest.flatten(xb) if t.dtype.is_floating])
+            y_pred = model(xb, training=training)
+            loss = wi * tf.reshape(tf.cast(loss_fn(yb, y_pred), tf.float32), [])
+        sources = list(variables)
+        floats = [t for t in tf.nest.flatten(xb) if t.dtype.is_floating] if wrt_inputs else []
+        grads = tape.gradient(
+            loss, sources + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        weight_grads = grads[: len(sources)]
+        input_grads = [g[0] for g in grads[len(sources) :]]
+        y_pred = tf.nest.map_structure(lambda t: t[0], y_pred)
+        return weight_grads, input_grads, loss, y_pred
+
+    return fn
+
+
+def _map(fn: Callable, elems: Any, model: Any) -> Any:
+    """vectorized_map, or a map_fn loop (with a one-time warning) where pfor cannot convert."""
+    try:
+        return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
+    except Exception as err:  # pfor raises various errors at trace time
+        # Errors that are not about vectorization (bad loss shape, ...) surface here, unwrapped,
+        # when one example is traced on its own.
+        signature = _signature(fn, elems)
+        if model not in _WARNED:
+            _WARNED.add(model)
+            warnings.warn(
+                f"dpcore: tf.vectorized_map cannot vectorize model {getattr(model, 'name', model)!r} "
+                f"({type(err).__name__}: {_first_line(err)}); per-example gradients "
+                "fall back to a loop over examples (tf.map_fn), which is slower.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return tf.map_fn(fn, elems, fn_output_signature=signature, parallel_iterations=8)
+
+
+def _first_line(err: Exception) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:300]
+
+
+def _signature(fn: Callable, elems: Any) -> Any:
+    probe = tf.nest.map_structure(lambda t: t[0], elems)
+    out = fn(probe)
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
+
+
+def _flat_sq_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+    cols = [tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads]
+    return tf.stack(cols, axis=1)
+
+
+def _weighted(grads: Sequence[tf.Tensor], weights: tf.Tensor) -> list[tf.Tensor]:
+    out = []
+    for v, g in enumerate(grads):
+        flat = tf.reshape(g, [tf.shape(g)[0], -1])
+        out.append(
+            tf.reshape(tf.linalg.matvec(flat, weights[:, v], transpose_a=True), tf.shape(g)[1:])
+        )
+    return out
+
+
+def materialize(
+    model: Any,
+    loss_fn: Callable,
+    x: Any,
+    y: Any,
+    weights: tf.Tensor,
+    variables: Sequence[Any],
+    *,
+    training: bool,
+    wrt_inputs: bool = False,
+) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
+    """Per-example gradients ``[B, *var.shape]`` of ``weights[i] * loss_i``.
+
+    Returns:
+      ``(weight_grads, input_grads, per_example_loss, y_pred)``; ``input_grads`` holds one
+      ``[B, ...]`` tensor per floating input leaf when ``wrt_inputs``.
+
+    Privacy:
+      Materializes every example's gradient; callers must clip before aggregating.
+    """
+    fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=wrt_inputs)
+    return _map(fn, (x, y, weights), model)
+
+
+def _pad_to_chunks(t: tf.Tensor, chunk: int) -> tf.Tensor:
+    b = tf.shape(t)[0]
+    padded = (b + chunk - 1) // chunk * chunk
+    pad = [[0, padded - b]] + [[0, 0]] * (t.shape.rank - 1)
+    t = tf.pad(t, pad)
+    return tf.reshape(t, tf.concat([[padded // chunk, chunk], tf.shape(t)[1:]], 0))
+
+
+def _chunked_summary(model, loss_fn, x, y, weights, variables, *, training, chunk_size):
+    b = tf.shape(weights)[0]
+    chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
+    fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=False)
+
+    def norms_of_chunk(elems):
+        grads, _, loss, y_pred = _map(fn, elems, model)
+        return _flat_sq_norms(grads), loss, y_pred
+
+    sq, loss, y_pred = tf.map_fn(
+        norms_of_chunk,
+        chunks,
+        fn_output_signature=_signature(norms_of_chunk, chunks),
+        parallel_iterations=1,
+    )
+
+    def unchunk(t):
+        return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))[:b]
+
+    sq, loss, y_pred = unchunk(sq), unchunk(loss), tf.nest.map_structure(unchunk, y_pred)
+
+    def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
+        cw = _pad_to_chunks(clip_weights, chunk_size)
+        acc = [tf.zeros(v.shape, tf.float32) for v in variables]
+
+        def body(k, acc):
+            elems = tf.nest.map_structure(lambda t: t[k], chunks)
+            grads, _, _, _ = _map(fn, elems, model)
+            return k + 1, [a + s for a, s in zip(acc, _weighted(grads, cw[k]))]
+
+        _, acc = tf.while_loop(
+            lambda k, acc: k < tf.shape(cw)[0], body, [tf.constant(0), acc], parallel_iterations=1
+        )
+        return acc
+
+    return sq, loss, y_pred, weighted_sum
+
+
+def vectorized_summary(
+    model: Any,
+    loss_fn: Callable,
+    x: Any,
+    y: Any,
+    sample_weight: tf.Tensor,
+    mask: tf.Tensor,
+    variables: Sequence[Any],
+    *,
+    training: bool = True,
+    chunk_size: int | None = None,
+    wrt_inputs: bool = False,
+) -> GradientSummary:
+    """Per-example gradient summary by vectorized per-example backward passes.
+
+    Args:
+      model: any Keras model (Sequential, Functional, subclassed) or callable.
+      loss_fn: per-example loss ``(y_true, y_pred) -> [B]``.
+      x: prepared inputs (see :func:`~dpcore.engine.summary.prepare_batch`).
+      y: prepared labels.
+      sample_weight: ``[B]`` float32.
+      mask: ``[B]`` float32 (0 for padding).
+      variables: variables to differentiate.
+      training: passed to the model call.
+      chunk_size: process the batch this many examples at a time (bounded memory, two passes).
+      wrt_inputs: also return per-example gradients w.r.t. floating inputs (not with chunking).
+
+    Returns:
+      A :class:`GradientSummary`.
+
+    Privacy:
+      Each example's gradient is computed from that example alone; masked examples get weight 0.
+    """
+    weights = sample_weight * mask
+    if chunk_size is not None:
+        chunk_size = int(chunk_size)
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
+        if wrt_inputs:
+            raise ValueError("wrt_inputs=True is not supported together with chunk_size.")
+        sq, loss, y_pred, weighted_sum = _chunked_summary(
+            model, loss_fn, x, y, weights, variables, training=training, chunk_size=chunk_size
+        )
+        input_grads = None
+    else:
+        grads, in_grads, loss, y_pred = materialize(
+            model, loss_fn, x, y, weights, variables, training=training, wrt_inputs=wrt_inputs
+        )
+        sq = _flat_sq_norms(grads)
+
+        def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
+            return _weighted(grads, clip_weights)
+
+        input_grads = None
+        if wrt_inputs:
+            leaves = tf.nest.flatten(x)
+            it = iter(in_grads)
+            input_grads = tf.nest.pack_sequence_as(
+                x, [next(it) if t.dtype.is_floating else None for t in leaves]
+            )
+    sq = sq * mask[:, None]
+    return GradientSummary(
+        variables=tuple(variables),
+        sq_norms=sq,
+        per_example_loss=loss,
+        mask=mask,
+        y_pred=y_pred,
+        weighted_sum=weighted_sum,
+        input_gradients=input_grads,
+        paths={
+            getattr(v, "path", getattr(v, "name", str(i))): "vectorized"
+            for i, v in enumerate(variables)
+        },
+    )

@@ -1,0 +1,20 @@
+"""Slow exact references for testing dpcore and users' own layers.
+
+Contract: these functions compute per-example quantities the obvious way, one example at a time,
+eagerly, with a fresh ``tf.GradientTape`` per example. They are deliberately slow and simple, and
+every fast path in dpcore is tested against them.
+"""
+
+from dpcore.testing.reference import (
+    reference_clipped_mean,
+    reference_input_gradients,
+    reference_per_example_gradients,
+    reference_per_example_norms,
+)
+
+__all__ = [
+    "reference_clipped_mean",
+    "reference_input_gradients",
+    "reference_per_example_gradients",
+    "reference_per_example_norms",
+]

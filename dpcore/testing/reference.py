@@ -1,0 +1,132 @@
+"""One-example-at-a-time eager references (see the package docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from dpcore.losses import per_example_loss_fn
+
+
+def _example(structure: Any, i: int) -> Any:
+    return tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[i : i + 1], structure)
+
+
+def _loss_and_grads(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    i: int,
+    weight: float,
+    variables: Sequence[Any],
+    training: bool,
+    wrt_inputs: bool,
+) -> tuple[list[np.ndarray], Any]:
+    loss_fn = per_example_loss_fn(loss)
+    xi, yi = _example(x, i), _example(y, i)
+    with tf.GradientTape() as tape:
+        if wrt_inputs:
+            tape.watch(tf.nest.flatten(xi))
+        value = weight * tf.reduce_sum(loss_fn(yi, model(xi, training=training)))
+    if wrt_inputs:
+        grads, xgrad = tape.gradient(value, (list(variables), xi))
+    else:
+        grads, xgrad = tape.gradient(value, list(variables)), None
+    grads = [
+        np.zeros(
+            v.shape, v.dtype.as_numpy_dtype if hasattr(v.dtype, "as_numpy_dtype") else np.float32
+        )
+        if g is None
+        else np.asarray(tf.convert_to_tensor(g))
+        for v, g in zip(variables, grads)
+    ]
+    return grads, xgrad
+
+
+def reference_per_example_gradients(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    sample_weight: Any = None,
+    mask: Any = None,
+    variables: Sequence[Any] | None = None,
+    training: bool = False,
+) -> list[np.ndarray]:
+    """Per-example gradients ``[B, *var.shape]`` for each variable, one eager tape per example.
+
+    Args:
+      model: any callable Keras model or layer.
+      loss: anything :func:`dpcore.losses.per_example_loss_fn` accepts.
+      x: inputs (tensor or nested structure) with a leading batch axis.
+      y: labels.
+      sample_weight: optional ``[B]`` weights multiplying each example's loss.
+      mask: optional ``[B]``; masked examples get an all-zero gradient.
+      variables: defaults to ``model.trainable_variables``.
+      training: passed to the model call.
+
+    Returns:
+      A list of numpy arrays, one ``[B, *var.shape]`` per variable.
+
+    Privacy:
+      Test-only reference; it computes exactly what the engine must compute.
+    """
+    variables = list(model.trainable_variables if variables is None else variables)
+    b = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    sw = np.ones(b, np.float32) if sample_weight is None else np.asarray(sample_weight, np.float32)
+    mk = np.ones(b, bool) if mask is None else np.asarray(mask).astype(bool)
+    out = [np.zeros((b, *v.shape), np.float32) for v in variables]
+    for i in range(b):
+        if not mk[i]:
+            continue
+        grads, _ = _loss_and_grads(model, loss, x, y, i, float(sw[i]), variables, training, False)
+        for k, g in enumerate(grads):
+            out[k][i] = g
+    return out
+
+
+def reference_per_example_norms(grads: Sequence[np.ndarray]) -> np.ndarray:
+    """Global L2 norm of each example's gradient from ``reference_per_example_gradients``."""
+    b = grads[0].shape[0]
+    return np.sqrt(sum(np.sum(np.reshape(g, (b, -1)) ** 2, axis=1) for g in grads))
+
+
+def reference_clipped_mean(
+    grads: Sequence[np.ndarray], *, l2_norm_clip: float, expected_batch_size: float
+) -> list[np.ndarray]:
+    """``sum_i clip(g_i, C) / expected_batch_size`` with flat (global-norm) clipping.
+
+    Privacy:
+      Test-only reference for the noise-free part of a DP-SGD step.
+    """
+    norms = reference_per_example_norms(grads)
+    factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-12))
+    return [np.tensordot(factors, g, axes=1) / float(expected_batch_size) for g in grads]
+
+
+def reference_input_gradients(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    sample_weight: Any = None,
+    training: bool = False,
+) -> Any:
+    """Per-example gradients of each example's loss w.r.t. its own input, same structure as ``x``.
+
+    Privacy:
+      Test-only reference.
+    """
+    b = int(tf.shape(tf.nest.flatten(x)[0])[0])
+    sw = np.ones(b, np.float32) if sample_weight is None else np.asarray(sample_weight, np.float32)
+    rows = []
+    for i in range(b):
+        _, xg = _loss_and_grads(model, loss, x, y, i, float(sw[i]), [], training, True)
+        rows.append(tf.nest.map_structure(lambda t: np.asarray(t)[0], xg))
+    return tf.nest.map_structure(lambda *r: np.stack(r), *rows)
