@@ -151,3 +151,15 @@ def test_empty_batch_gives_empty_gradients():
     y = np.zeros((0,), np.int64)
     got = engine.per_example_gradients(model, LOSS, x, y)
     assert got[0].shape[0] == 0
+
+
+def test_per_example_gradients_chunked_equal_unchunked(rng):
+    model = BUILDERS["tanh_cnn"]()
+    x, y = batch_for("tanh_cnn", 5, rng)
+    full = engine.per_example_gradients(model, LOSS, x, y)
+    chunked = engine.per_example_gradients(model, LOSS, x, y, chunk_size=2)
+    for a, b in zip(full, chunked):
+        assert a.shape == b.shape
+        _close(a, b)
+    with pytest.raises(ValueError, match="chunk_size"):
+        engine.per_example_gradients(model, LOSS, x, y, chunk_size=0)

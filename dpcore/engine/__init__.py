@@ -153,6 +153,7 @@ def per_example_gradients(
     variables: Sequence[Any] | None = None,
     training: bool = False,
     wrt_inputs: bool = False,
+    chunk_size: int | None = None,
     nonfinite: str = "raise",
 ) -> Any:
     """Per-example gradients, one ``[B, *var.shape]`` tensor per variable.
@@ -168,6 +169,8 @@ def per_example_gradients(
       training: passed to the model call.
       wrt_inputs: if True, return ``(weight_grads, input_grads)`` where ``input_grads`` has the
         structure of ``x`` (None for non-floating leaves), computed in the same compiled step.
+      chunk_size: compute the gradients this many examples at a time (bounds the memory of the
+        intermediate per-example activations; the result is still ``[B, ...]``).
       nonfinite: ``"raise"`` or ``"skip"`` (see :func:`summarize`).
 
     Returns:
@@ -182,7 +185,15 @@ def per_example_gradients(
     def build(x, y, sample_weight, mask):
         xp, yp, sw, mk = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
         grads, in_grads, _, _ = materialize(
-            model, loss_fn, xp, yp, sw * mk, variables, training=training, wrt_inputs=wrt_inputs
+            model,
+            loss_fn,
+            xp,
+            yp,
+            sw * mk,
+            variables,
+            training=training,
+            wrt_inputs=wrt_inputs,
+            chunk_size=chunk_size,
         )
         if not wrt_inputs:
             return grads
@@ -192,6 +203,7 @@ def per_example_gradients(
 
     key = (
         "grads",
+        chunk_size,
         id(loss),
         tuple(id(v) for v in variables),
         training,

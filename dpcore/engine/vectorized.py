@@ -110,6 +110,7 @@ def materialize(
     *,
     training: bool,
     wrt_inputs: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
     """Per-example gradients ``[B, *var.shape]`` of ``weights[i] * loss_i``.
 
@@ -121,7 +122,29 @@ def materialize(
       Materializes every example's gradient; callers must clip before aggregating.
     """
     fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=wrt_inputs)
-    return _map(fn, (x, y, weights), model)
+    if chunk_size is None:
+        return _map(fn, (x, y, weights), model)
+    chunk_size = _check_chunk_size(chunk_size)
+    b = tf.shape(weights)[0]
+    chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
+
+    def per_chunk(elems):
+        return _map(fn, elems, model)
+
+    out = tf.map_fn(
+        per_chunk, chunks, fn_output_signature=_signature(per_chunk, chunks), parallel_iterations=1
+    )
+    return tf.nest.map_structure(lambda t: _unchunk(t, b), out)
+
+
+def _check_chunk_size(chunk_size: int) -> int:
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or int(chunk_size) <= 0:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
+    return int(chunk_size)
+
+
+def _unchunk(t: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))[:b]
 
 
 def _pad_to_chunks(t: tf.Tensor, chunk: int) -> tf.Tensor:
@@ -148,10 +171,8 @@ def _chunked_summary(model, loss_fn, x, y, weights, variables, *, training, chun
         parallel_iterations=1,
     )
 
-    def unchunk(t):
-        return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))[:b]
-
-    sq, loss, y_pred = unchunk(sq), unchunk(loss), tf.nest.map_structure(unchunk, y_pred)
+    sq, loss = _unchunk(sq, b), _unchunk(loss, b)
+    y_pred = tf.nest.map_structure(lambda t: _unchunk(t, b), y_pred)
 
     def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
         cw = _pad_to_chunks(clip_weights, chunk_size)
@@ -205,9 +226,7 @@ def vectorized_summary(
     """
     weights = sample_weight * mask
     if chunk_size is not None:
-        chunk_size = int(chunk_size)
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
+        chunk_size = _check_chunk_size(chunk_size)
         if wrt_inputs:
             raise ValueError("wrt_inputs=True is not supported together with chunk_size.")
         sq, loss, y_pred, weighted_sum = _chunked_summary(
