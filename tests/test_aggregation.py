@@ -1,0 +1,122 @@
+"""Clipping and noise aggregation: bounds, sensitivity, noise scale, reproducibility."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpcore import aggregation
+from dpcore.engine.summary import GradientSummary
+
+
+def _summary(per_example):
+    """A GradientSummary over explicit per-example gradients (list of [B, ...] arrays)."""
+    grads = [tf.constant(g, tf.float32) for g in per_example]
+    b = grads[0].shape[0]
+    sq = tf.stack([tf.reduce_sum(tf.reshape(g * g, [b, -1]), 1) for g in grads], 1)
+
+    def weighted_sum(w):
+        return [tf.tensordot(w[:, v], g, axes=1) for v, g in enumerate(grads)]
+
+    return GradientSummary(
+        variables=tuple(range(len(grads))),
+        sq_norms=sq,
+        per_example_loss=tf.zeros([b]),
+        mask=tf.ones([b]),
+        y_pred=None,
+        weighted_sum=weighted_sum,
+    )
+
+
+def test_flat_clipping_bounds_each_example(rng):
+    per_example = [rng.normal(size=(8, 3, 2)) * 5, rng.normal(size=(8, 4))]
+    s = _summary(per_example)
+    clipped = aggregation.clip(s, l2_norm_clip=1.5)
+    w = clipped.clip_weights.numpy()
+    norms = np.sqrt(sum(np.sum(g.reshape(8, -1) ** 2, 1) for g in per_example))
+    assert np.all(norms * w[:, 0] <= 1.5 + 1e-5)
+    np.testing.assert_allclose(w[:, 0], np.minimum(1, 1.5 / norms), rtol=1e-6)
+    assert clipped.l2_sensitivity == 1.5
+    expected = [np.tensordot(w[:, 0], g, axes=1) for g in per_example]
+    for a, b in zip(clipped.grads, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_per_group_clipping_sensitivity_and_bounds(rng):
+    per_example = [rng.normal(size=(6, 5)) * 3, rng.normal(size=(6, 2)), rng.normal(size=(6, 4))]
+    s = _summary(per_example)
+    clipped = aggregation.clip(s, l2_norm_clip=[0.5, 2.0], variable_groups=[0, 1, 0])
+    assert clipped.l2_sensitivity == pytest.approx(math.sqrt(0.25 + 4.0))
+    w = clipped.clip_weights.numpy()
+    g0 = np.sqrt(np.sum(per_example[0] ** 2, 1) + np.sum(per_example[2] ** 2, 1))
+    g1 = np.sqrt(np.sum(per_example[1] ** 2, 1))
+    assert np.all(g0 * w[:, 0] <= 0.5 + 1e-5) and np.all(g1 * w[:, 1] <= 2.0 + 1e-5)
+    np.testing.assert_allclose(w[:, 0], w[:, 2])
+    with pytest.raises(ValueError, match="variable_groups"):
+        aggregation.clip(s, l2_norm_clip=[0.5, 2.0], variable_groups=[0, 0, 0])
+
+
+def test_masked_examples_contribute_nothing(rng):
+    per_example = [rng.normal(size=(4, 3))]
+    s = _summary(per_example)
+    s = GradientSummary(**{**s.__dict__, "mask": tf.constant([1.0, 0.0, 1.0, 0.0])})
+    clipped = aggregation.clip(s, l2_norm_clip=100.0)
+    np.testing.assert_allclose(clipped.grads[0], per_example[0][0] + per_example[0][2], rtol=1e-5)
+    assert float(clipped.num_examples) == 2.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(l2_norm_clip=0.0, noise_multiplier=1.0, expected_batch_size=4), "l2_norm_clip"),
+        (dict(l2_norm_clip=-1.0, noise_multiplier=1.0, expected_batch_size=4), "l2_norm_clip"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=-0.1, expected_batch_size=4), "noise_multiplier"),
+        (
+            dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=0),
+            "expected_batch_size",
+        ),
+    ],
+)
+def test_bad_privacy_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        aggregation.check_privacy_args(**kwargs)
+
+
+def test_noise_std_and_normalization():
+    zeros = aggregation.ClippedSum(
+        grads=(tf.zeros([200, 100]),),
+        l2_sensitivity=0.7,
+        num_examples=tf.constant(0.0),
+        per_example_norms=tf.zeros([0]),
+        clip_weights=tf.zeros([0, 1]),
+        per_example_loss=tf.zeros([0]),
+    )
+    out = aggregation.privatize(
+        zeros, noise_multiplier=1.3, expected_batch_size=10.0, seed=tf.constant([1, 2])
+    )[0].numpy()
+    expected = 1.3 * 0.7 / 10.0
+    # 20000 draws: the sample std is within ~1% (5 sigma ~ 2.5%) of the true std.
+    assert abs(out.std() / expected - 1) < 0.025
+    assert abs(out.mean()) < 5 * expected / math.sqrt(out.size)
+    again = aggregation.privatize(
+        zeros, noise_multiplier=1.3, expected_batch_size=10.0, seed=tf.constant([1, 2])
+    )[0].numpy()
+    other = aggregation.privatize(
+        zeros, noise_multiplier=1.3, expected_batch_size=10.0, seed=tf.constant([1, 3])
+    )[0].numpy()
+    np.testing.assert_array_equal(out, again)
+    assert not np.allclose(out, other)
+
+
+def test_zero_noise_is_the_clipped_mean():
+    s = aggregation.ClippedSum(
+        grads=(tf.constant([2.0, 4.0]),),
+        l2_sensitivity=float("inf"),
+        num_examples=tf.constant(2.0),
+        per_example_norms=tf.zeros([2]),
+        clip_weights=tf.ones([2, 1]),
+        per_example_loss=tf.zeros([2]),
+    )
+    out = aggregation.privatize(s, noise_multiplier=0.0, expected_batch_size=2.0, seed=[0, 0])
+    np.testing.assert_allclose(out[0], [1.0, 2.0])
