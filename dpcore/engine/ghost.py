@@ -1,0 +1,291 @@
+"""The fast path: per-layer ghost norms and book-keeping clipped sums.
+
+Contract: :func:`fast_summary` has the signature of the vectorized path (minus ``chunk_size``) and
+returns the same :class:`~dpcore.engine.summary.GradientSummary`, computed with
+
+1. one forward pass that replays the model's layer graph (:mod:`dpcore.engine.graph`); each layer
+   with a rule (:mod:`dpcore.engine.registry`) is recomputed by its rule from the layer's own
+   variables, recording its input and its pre-activation output ``z``;
+2. one backward pass of ``sum_i w_i L_i`` (``w`` = sample weight times mask) to every recorded
+   ``z`` (never to the weights), giving ``dL_i/dz_i`` row by row;
+3. per layer, cheap per-example norms and a book-keeping weighted sum ``sum_i c_i grad_i`` (one
+   weighted product per layer, no second backward pass).
+
+Trainable layers without a rule (or whose rule declines the instance) fall back to vectorized
+per-example gradients of that layer alone, from its recorded inputs and output gradients. Models
+whose graph cannot be replayed (subclassed models) fall back as a whole to the vectorized path with
+a warning saying why. A layer called several times contributes the norm of the *sum* of its
+per-example gradients over all calls. Masked examples have zero loss, zero norms and zero weight.
+Everything is plain TensorFlow, traceable once inside the caller's compiled step (XLA included).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from dpcore.engine import graph
+from dpcore.engine.registry import (
+    LayerRule,
+    Registry,
+    Use,
+    VariableGrad,
+    default_registry,
+    lookup,
+)
+from dpcore.engine.summary import GradientSummary, check_variables
+from dpcore.rules import linear
+
+__all__ = ["fast_summary", "supports", "fallback_reason"]
+
+
+def fallback_reason(model: Any, variables: Sequence[Any] | None = None) -> str | None:
+    """Why ``model`` cannot take the fast path as a whole (None when it can).
+
+    Args:
+      model: a Keras model.
+      variables: the variables to differentiate (default: ``model.trainable_variables``).
+    """
+    reason = graph.walk_reason(model)
+    if reason:
+        return reason
+    variables = list(model.trainable_variables if variables is None else variables)
+    owner: dict[int, str] = {}
+    seen_layers: set[int] = set()
+    for layer, _ in graph.leaf_calls(model):
+        if id(layer) in seen_layers:
+            continue
+        seen_layers.add(id(layer))
+        for v in layer.trainable_variables:
+            if id(v) in owner and owner[id(v)] != layer.name:
+                return (
+                    f"variable {v.path!r} is used by layers {owner[id(v)]!r} and {layer.name!r} "
+                    "(tied weights need cross-layer terms the per-layer rules do not compute)"
+                )
+            owner[id(v)] = layer.name
+    missing = [v for v in variables if id(v) not in owner]
+    if missing:
+        return (
+            f"variable {missing[0].path!r} does not belong to any layer in the model graph, so "
+            "its use cannot be traced layer by layer"
+        )
+    return None
+
+
+def supports(model: Any) -> bool:
+    """True when :func:`fast_summary` can run ``model`` without a whole-model fallback."""
+    try:
+        return fallback_reason(model) is None
+    except Exception:  # noqa: BLE001 - anything odd about the model means "not supported"
+        return False
+
+
+class _Recorder:
+    """Intercepts leaf layer calls during the forward pass (state for one trace only)."""
+
+    def __init__(
+        self, tape: tf.GradientTape, registry: Registry, wanted: set[int], training: Any
+    ) -> None:
+        self.tape = tape
+        self.registry = registry
+        self.wanted = wanted
+        self.training = training
+        self.layers: dict[int, tuple[Any, LayerRule | None, str]] = {}
+        self.calls: dict[int, list[tuple[Any, dict]]] = {}  # layer id -> [(z structure, capture)]
+
+    def __call__(self, layer: Any, args: tuple, kwargs: dict) -> Any:
+        if not any(id(v) in self.wanted for v in layer.trainable_variables):
+            return layer(*args, **kwargs)
+        key = id(layer)
+        if key not in self.layers:
+            rule, reason = lookup(self.registry, layer)
+            self.layers[key] = (layer, rule, reason)
+        _, rule, _ = self.layers[key]
+        if rule is not None:
+            z, capture = rule.forward(layer, args, kwargs)
+            self.tape.watch(z)
+            outputs = rule.activate(layer, z)
+            graph.propagate_mask(layer, args, outputs)
+        else:
+            outputs = layer(*args, **kwargs)
+            z = [t for t in tf.nest.flatten(outputs) if tf.is_tensor(t) and t.dtype.is_floating]
+            self.tape.watch(z)
+            capture = {"args": args, "kwargs": kwargs}
+        self.calls.setdefault(key, []).append((z, capture))
+        return outputs
+
+
+def _fallback_grads(layer: Any, uses: Sequence[Use], wanted: set[int]) -> list[VariableGrad]:
+    """Per-example gradients of one layer's variables by a vectorized per-example VJP."""
+    variables = [v for v in layer.trainable_variables if id(v) in wanted]
+
+    def split(structure: Any) -> tuple[list, list, Any]:
+        leaves = tf.nest.flatten(structure)
+        batched = [tf.is_tensor(t) and t.shape.rank and t.shape.rank > 0 for t in leaves]
+        return leaves, batched, structure
+
+    packed = []
+    for u in uses:
+        leaves, batched, structure = split((u.capture["args"], u.capture["kwargs"]))
+        packed.append((leaves, batched, structure, u.grad))
+    elems = [
+        ([t for t, b in zip(leaves, batched) if b], list(grad))
+        for leaves, batched, _, grad in packed
+    ]
+
+    def one(example: Any) -> list[tf.Tensor]:
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch([_watchable(v) for v in variables])
+            total = 0.0
+            for (leaves, batched, structure, _), (xs, gs) in zip(packed, example):
+                it = iter(xs)
+                filled = [tf.expand_dims(next(it), 0) if b else t for t, b in zip(leaves, batched)]
+                args, kwargs = tf.nest.pack_sequence_as(structure, filled)
+                out = layer(*args, **kwargs)
+                outs = [t for t in tf.nest.flatten(out) if tf.is_tensor(t) and t.dtype.is_floating]
+                for o, g in zip(outs, gs):
+                    total += tf.reduce_sum(tf.cast(o, tf.float32) * tf.cast(g[None], tf.float32))
+        grads = tape.gradient(
+            total,
+            [_watchable(v) for v in variables],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    per_example = tf.vectorized_map(one, elems)
+    return [
+        VariableGrad(
+            variable=v,
+            sq_norm=linear.rowwise_sq_norm(g),
+            weighted_sum=lambda w, g=g, v=v: tf.cast(linear.weighted_rows(g, w), v.dtype),
+            path="fallback:vectorized",
+        )
+        for v, g in zip(variables, per_example)
+    ]
+
+
+def _watchable(variable: Any) -> Any:
+    return getattr(variable, "value", variable)
+
+
+def _zero_grad(variable: Any, batch: tf.Tensor) -> VariableGrad:
+    return VariableGrad(
+        variable=variable,
+        sq_norm=tf.zeros([batch], tf.float32),
+        weighted_sum=lambda w: tf.zeros(variable.shape, variable.dtype),
+        path="unused",
+    )
+
+
+def fast_summary(
+    model: Any,
+    loss_fn: Callable,
+    x: Any,
+    y: Any,
+    sample_weight: tf.Tensor,
+    mask: tf.Tensor,
+    variables: Sequence[Any],
+    *,
+    training: bool = True,
+    wrt_inputs: bool = False,
+    registry: Registry | None = None,
+) -> GradientSummary:
+    """Per-example gradient summary from per-layer rules (ghost norms, book-keeping sums).
+
+    Args:
+      model: a Keras model; Sequential and Functional (nested too) take the fast path, other models
+        fall back to :func:`dpcore.engine.vectorized.vectorized_summary` with a warning.
+      loss_fn: per-example loss ``(y_true, y_pred) -> [B]``.
+      x: prepared inputs (see :func:`~dpcore.engine.summary.prepare_batch`).
+      y: prepared labels.
+      sample_weight: ``[B]`` float32.
+      mask: ``[B]`` float32 (0 for padding).
+      variables: variables to differentiate.
+      training: passed to every layer call.
+      wrt_inputs: also return per-example gradients w.r.t. the floating inputs (same pass).
+      registry: layer rules (default :func:`~dpcore.engine.registry.default_registry`).
+
+    Returns:
+      A :class:`GradientSummary` whose ``paths`` maps each layer name to its path.
+
+    Privacy:
+      Row ``i`` of every per-example quantity depends on example ``i`` alone (layers must not mix
+      examples, see :mod:`dpcore.validation`); masked examples get zero norm and weight.
+    """
+    variables = check_variables(variables)
+    reason = fallback_reason(model, variables)
+    if reason is not None:
+        from dpcore.engine.vectorized import vectorized_summary
+
+        warnings.warn(
+            f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
+            f"whole: {reason}.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return vectorized_summary(
+            model,
+            loss_fn,
+            x,
+            y,
+            sample_weight,
+            mask,
+            variables,
+            training=training,
+            wrt_inputs=wrt_inputs,
+        )
+    registry = default_registry() if registry is None else registry
+    wanted = {id(v) for v in variables}
+    weights = tf.cast(sample_weight, tf.float32) * tf.cast(mask, tf.float32)
+    x_leaves = tf.nest.flatten(x)
+    float_inputs = [t for t in x_leaves if t.dtype.is_floating] if wrt_inputs else []
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(float_inputs)
+        recorder = _Recorder(tape, registry, wanted, training)
+        y_pred = graph.run(model, x, training=training, layer_fn=recorder)
+        per_example_loss = tf.cast(loss_fn(y, y_pred), tf.float32) * weights
+        total = tf.reduce_sum(per_example_loss)
+    keys = list(recorder.calls)
+    zs = [[z for z, _ in recorder.calls[k]] for k in keys]
+    grads_z, grads_x = tape.gradient(
+        total, (zs, float_inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
+    batch = tf.shape(weights)[0]
+    by_variable: dict[int, VariableGrad] = {}
+    paths: dict[str, str] = {}
+    for key, gz in zip(keys, grads_z):
+        layer, rule, why = recorder.layers[key]
+        uses = [Use(capture=c, grad=g) for (_, c), g in zip(recorder.calls[key], gz)]
+        if rule is not None:
+            found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
+        else:
+            found = _fallback_grads(layer, uses, wanted)
+        paths[layer.name] = found[0].path if found else "no variables"
+        for vg in found:
+            by_variable[id(vg.variable)] = vg
+    per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]
+    sq_norms = tf.stack([vg.sq_norm for vg in per_var], axis=1) * tf.cast(mask, tf.float32)[:, None]
+
+    def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
+        clip_weights = tf.cast(clip_weights, tf.float32)
+        return [vg.weighted_sum(clip_weights[:, j]) for j, vg in enumerate(per_var)]
+
+    input_gradients = None
+    if wrt_inputs:
+        it = iter(grads_x)
+        input_gradients = tf.nest.pack_sequence_as(
+            x, [next(it) if t.dtype.is_floating else None for t in x_leaves]
+        )
+    return GradientSummary(
+        variables=tuple(variables),
+        sq_norms=sq_norms,
+        per_example_loss=per_example_loss,
+        mask=tf.cast(mask, tf.float32),
+        y_pred=y_pred,
+        weighted_sum=weighted_sum,
+        input_gradients=input_gradients,
+        paths=paths,
+    )

@@ -1,0 +1,144 @@
+"""Replaying a Keras model's layer graph with an interceptor (the only module using Keras internals).
+
+Contract:
+- :func:`walk_reason` says whether a model's forward pass can be replayed layer by layer: built
+  ``Sequential`` and ``Functional`` models (and subclasses that keep their ``call``) can; any other
+  model's ``call`` is arbitrary Python and cannot (the reason is returned, for warnings).
+- :func:`run` computes ``model(inputs, training=training)`` but routes every call of a leaf layer
+  (a layer that is not itself a replayable model) through ``layer_fn(layer, args, kwargs)``, which
+  must return the layer's outputs. Nested replayable models are entered recursively; Keras ops in
+  the graph are called as they are. ``training`` is injected exactly as Keras does, and Keras masks
+  are propagated for outputs that ``layer_fn`` computed without calling the layer.
+- :func:`leaf_calls` lists the same leaf layer calls statically, with their input shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.models.functional import Functional
+from keras.src.models.sequential import Sequential
+
+LayerFn = Callable[[Any, tuple, dict], Any]
+
+
+def walk_reason(model: Any) -> str | None:
+    """None when ``model`` can be replayed layer by layer, else a human-readable reason."""
+    name = type(model).__name__
+    if isinstance(model, Sequential):
+        if type(model).call is not Sequential.call:
+            return f"{name} subclasses Sequential with its own call()"
+        if not model.built:
+            return f"Sequential model {model.name!r} is not built yet"
+        return None
+    if isinstance(model, Functional):
+        if type(model).call is not Functional.call:
+            return f"{name} subclasses a functional model with its own call()"
+        return None
+    if isinstance(model, keras.Model):
+        return (
+            f"{name} is a subclassed model: its call() is arbitrary Python, so its layer graph "
+            "cannot be replayed"
+        )
+    return f"{name} is not a Keras model"
+
+
+def _is_walkable(op: Any) -> bool:
+    return isinstance(op, (Sequential, Functional)) and walk_reason(op) is None
+
+
+def _inject_training(op: Any, kwargs: dict, training: Any) -> dict:
+    if training is not None and "training" in getattr(op, "_call_context_args", {}):
+        kwargs = dict(kwargs)
+        kwargs["training"] = training
+    return kwargs
+
+
+def _dispatch(op: Any, args: tuple, kwargs: dict, training: Any, layer_fn: LayerFn) -> Any:
+    if _is_walkable(op):
+        inner_training = kwargs.get("training", training)
+        return run(op, args[0], training=inner_training, layer_fn=layer_fn)
+    if isinstance(op, keras.layers.Layer):
+        return layer_fn(op, args, kwargs)
+    return op(*args, **kwargs)
+
+
+def run(model: Any, inputs: Any, *, training: Any, layer_fn: LayerFn) -> Any:
+    """``model(inputs, training=training)`` with every leaf layer call routed through ``layer_fn``.
+
+    Raises:
+      ValueError: if the model cannot be replayed (see :func:`walk_reason`).
+    """
+    reason = walk_reason(model)
+    if reason:
+        raise ValueError(reason)
+    if isinstance(model, Sequential):
+        if model._functional is not None:
+            return run(model._functional, inputs, training=training, layer_fn=layer_fn)
+        x, mask = inputs, None
+        for layer in model.layers:
+            kwargs: dict[str, Any] = {}
+            if getattr(layer, "_call_has_mask_arg", False) and mask is not None:
+                kwargs["mask"] = mask
+            kwargs = _inject_training(layer, kwargs, training)
+            x = _dispatch(layer, (x,), kwargs, training, layer_fn)
+            mask = get_keras_mask(x) if not isinstance(x, (list, tuple, dict)) else None
+        return x
+    flat = model._standardize_inputs(inputs)
+
+    def operation_fn(op: Any) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return _dispatch(op, args, _inject_training(op, kwargs, training), training, layer_fn)
+
+        return call
+
+    outputs = model._run_through_graph(flat, operation_fn=operation_fn)
+    if isinstance(outputs, list) and len(outputs) == 1:
+        return outputs[0]
+    return outputs
+
+
+def propagate_mask(layer: Any, args: tuple, outputs: Any) -> None:
+    """Sets the Keras mask ``layer.compute_mask`` gives on ``outputs`` (what ``__call__`` does)."""
+    if not getattr(layer, "supports_masking", False) or not args:
+        return
+    first = args[0]
+    previous = None
+    try:
+        previous = get_keras_mask(first)
+    except Exception:  # noqa: BLE001 - non-tensor inputs carry no mask
+        previous = None
+    mask = layer.compute_mask(first, previous)
+    if mask is not None and get_keras_mask(outputs) is None:
+        set_keras_mask(outputs, mask)
+
+
+def leaf_calls(model: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """``(layer, [input shape per input])`` for each leaf layer call, in graph order.
+
+    Layers of a model that cannot be replayed are not listed (the caller reports the model).
+    """
+    if isinstance(model, Sequential) and walk_reason(model) is None:
+        if model._functional is not None:
+            yield from leaf_calls(model._functional)
+            return
+        for layer in model.layers:
+            if _is_walkable(layer):
+                yield from leaf_calls(layer)
+            else:
+                yield layer, [None]
+        return
+    if not isinstance(model, Functional) or walk_reason(model) is not None:
+        return
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            op = node.operation
+            if not op or node.is_input:
+                continue
+            if _is_walkable(op):
+                yield from leaf_calls(op)
+            elif isinstance(op, keras.layers.Layer):
+                yield op, [tuple(t.shape) for t in node.input_tensors]

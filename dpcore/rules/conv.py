@@ -1,0 +1,179 @@
+"""Rules for ``keras.layers.Conv1D`` and ``keras.layers.Conv2D``.
+
+Contract: ``forward`` recomputes the layer's pre-activation output with ``keras.ops.conv`` and the
+layer's own kernel and bias (causal padding applied to the input first, as the layer does).
+Per-example norms unfold the input into patches (``tf.image.extract_patches``: one row of
+``kh*kw*C_in/groups`` values per output position) and apply the ``A^T G`` math of
+:mod:`dpcore.rules.linear` per group, ghost or materialized by cost. Strides, ``same``/``valid``/
+``causal`` padding, dilation, groups and both data formats are supported. The clipped kernel sum is
+the convolution's own filter gradient (TensorFlow's backprop-filter kernel) with the clip-weighted
+output gradients as cotangent; several uses of one layer add their position sets together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from dpcore.engine.registry import LayerRule, Use, VariableGrad
+from dpcore.rules import linear
+from dpcore.rules.dense import _activate, _cast_input, _unsupported_variant
+
+
+def _check(layer: Any) -> str | None:
+    reason = _unsupported_variant(layer)
+    if reason:
+        return reason
+    if str(layer.padding).lower() not in ("valid", "same", "causal"):
+        return f"padding {layer.padding!r} is not supported"
+    return None
+
+
+def _padding(layer: Any) -> str:
+    return "valid" if layer.padding == "causal" else layer.padding
+
+
+def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
+    a = _cast_input(layer, args[0])
+    if layer.padding == "causal":
+        left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
+        pad = [[0, 0], [left, 0], [0, 0]]
+        if layer.data_format == "channels_first":
+            pad = [[0, 0], [0, 0], [left, 0]]
+        a = keras.ops.pad(a, pad)
+    z = _conv(layer, a, layer.kernel)
+    if layer.use_bias:
+        if layer.data_format == "channels_last":
+            shape = (1,) * (layer.rank + 1) + (layer.filters,)
+        else:
+            shape = (1, layer.filters) + (1,) * layer.rank
+        z = keras.ops.add(z, keras.ops.reshape(layer.bias, shape))
+    return z, {"a": a}
+
+
+def _conv(layer: Any, a: tf.Tensor, kernel: Any) -> tf.Tensor:
+    return keras.ops.conv(
+        a,
+        kernel,
+        strides=list(layer.strides),
+        padding=_padding(layer),
+        dilation_rate=layer.dilation_rate,
+        data_format=layer.data_format,
+    )
+
+
+def _channels_last(layer: Any, t: tf.Tensor) -> tf.Tensor:
+    if layer.data_format == "channels_first":
+        perm = [0] + list(range(2, layer.rank + 2)) + [1]
+        t = tf.transpose(t, perm)
+    return t
+
+
+def _patches(layer: Any, a: tf.Tensor) -> tf.Tensor:
+    """``[B, T, kh*kw*C_in]`` input patches, one row per output position (channels last)."""
+    a = tf.cast(_channels_last(layer, a), tf.float32)
+    if layer.rank == 1:
+        a = a[:, None]
+        ks, st, dl = [1, *layer.kernel_size], [1, *layer.strides], [1, *layer.dilation_rate]
+    else:
+        ks, st, dl = layer.kernel_size, layer.strides, layer.dilation_rate
+    p = tf.image.extract_patches(
+        a,
+        sizes=[1, *ks, 1],
+        strides=[1, *st, 1],
+        rates=[1, *dl, 1],
+        padding=_padding(layer).upper(),
+    )
+    return tf.reshape(p, [tf.shape(p)[0], -1, p.shape[-1]])
+
+
+def _dims(layer: Any) -> tuple[int, int, int, int]:
+    """``(kernel window size, C_in/groups, groups, C_out/groups)``."""
+    window = 1
+    for k in layer.kernel_size:
+        window *= int(k)
+    cin_g = int(layer.kernel.shape[-2])
+    groups = int(layer.groups)
+    return window, cin_g, groups, int(layer.filters) // groups
+
+
+def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
+    window, cin_g, groups, cout_g = _dims(layer)
+    a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
+    g_last = [tf.cast(_channels_last(layer, u.grad), tf.float32) for u in uses]
+    g = tf.concat([tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]]) for t in g_last], axis=1)
+    path, _ = linear.choose_path(a.shape[1], window * cin_g, cout_g)
+    if groups == 1:
+        sq = linear.sq_norm(a, g, path)
+    else:
+        b = tf.shape(a)[0]
+        a5 = tf.reshape(a, [b, -1, window, groups, cin_g])
+        g4 = tf.reshape(g, [b, -1, groups, cout_g])
+        if path == "ghost":
+            aa = tf.einsum("btkgc,bskgc->bgts", a5, a5)
+            gg = tf.einsum("btgo,bsgo->bgts", g4, g4)
+            sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
+        else:
+            sq = linear.rowwise_sq_norm(tf.einsum("btkgc,btgo->bgkco", a5, g4))
+    kernel = layer.kernel
+
+    def kernel_sum(w: tf.Tensor) -> tf.Tensor:
+        k = tf.convert_to_tensor(kernel)
+        total = tf.zeros(k.shape, tf.float32)
+        for u in uses:
+            cot = u.grad * tf.cast(
+                tf.reshape(w, [-1] + [1] * (u.grad.shape.rank - 1)), u.grad.dtype
+            )
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(k)
+                z = _conv(layer, tf.stop_gradient(u.capture["a"]), k)
+            total += tf.cast(tape.gradient(z, k, output_gradients=cot), tf.float32)
+        return tf.cast(total, kernel.dtype)
+
+    out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
+    if layer.use_bias:
+        gb = tf.reduce_sum(g, axis=1)  # [B, C_out]
+        out.append(
+            VariableGrad(
+                variable=layer.bias,
+                sq_norm=linear.rowwise_sq_norm(gb),
+                weighted_sum=lambda w: tf.cast(linear.weighted_rows(gb, w), layer.bias.dtype),
+                path="ghost",
+            )
+        )
+    return out
+
+
+def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
+    window, cin_g, groups, cout_g = _dims(layer)
+    t = 0
+    for shape in input_shapes:
+        if shape is None:
+            t = None
+            break
+        out_shape = layer.compute_output_shape(tuple(shape))
+        spatial = out_shape[1:-1] if layer.data_format == "channels_last" else out_shape[2:]
+        if None in spatial:
+            t = None
+            break
+        n = 1
+        for s in spatial:
+            n *= int(s)
+        t += n
+    path, why = linear.choose_path(t, window * cin_g, cout_g)
+    if groups > 1:
+        why = f"{groups} groups; {why}"
+    return path, f"patches, {why}"
+
+
+CONV = LayerRule(
+    name="conv",
+    check=_check,
+    forward=_forward,
+    activate=_activate,
+    grads=_grads,
+    plan=_plan,
+)

@@ -1,0 +1,92 @@
+"""Rule for ``keras.layers.Embedding``.
+
+Contract: ``forward`` gathers rows of the layer's embedding table for the (int-cast) ids, as the
+layer does. An example's gradient of the table has one row per distinct id, the sum of that id's
+output gradients, so its squared norm is ``sum over ids of ||sum_{t: id_t = id} g_t||^2``. It is
+computed by sorting each example's ids and segment-summing the gradients of equal ids: cost
+``O(B T log T + B T dim)``, static shapes (XLA friendly), never a ``[B, vocab, dim]`` tensor.
+The clipped sum is one ``unsorted_segment_sum`` of the clip-weighted output gradients into a dense
+``[vocab, dim]`` tensor. Several uses of one layer are concatenated along the position axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from dpcore.engine.registry import LayerRule, Use, VariableGrad
+from dpcore.rules.dense import _unsupported_variant
+
+
+def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
+    ids = tf.convert_to_tensor(args[0])
+    if ids.dtype not in (tf.int32, tf.int64):
+        ids = tf.cast(ids, tf.int32)
+    z = keras.ops.take(layer.embeddings, ids, axis=0)
+    return keras.ops.cast(z, layer.compute_dtype), {"ids": ids}
+
+
+def _identity(layer: Any, z: tf.Tensor) -> tf.Tensor:
+    return z
+
+
+def same_id_sq_norm(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B]`` squared norms of per-example embedding gradients from ids ``[B, T]``, g ``[B, T, E]``.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only.
+    """
+    b, t = tf.shape(ids)[0], tf.shape(ids)[1]
+    order = tf.argsort(ids, axis=1, stable=True)
+    sorted_ids = tf.gather(ids, order, batch_dims=1)
+    sorted_g = tf.gather(g, order, batch_dims=1)
+    first = tf.ones([b, 1], tf.int32)
+    new = tf.cast(sorted_ids[:, 1:] != sorted_ids[:, :-1], tf.int32)
+    local = tf.cumsum(tf.concat([first, new], axis=1), axis=1) - 1  # [B, T] segment within row
+    segments = local + tf.range(b)[:, None] * t
+    sums = tf.math.unsorted_segment_sum(
+        tf.reshape(sorted_g, [-1, g.shape[-1]]), tf.reshape(segments, [-1]), b * t
+    )
+    return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), axis=1), [b, t]), axis=1)
+
+
+def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
+    ids = tf.concat(
+        [tf.reshape(u.capture["ids"], [tf.shape(u.capture["ids"])[0], -1]) for u in uses], 1
+    )
+    dim = int(layer.embeddings.shape[-1])
+    g = tf.concat(
+        [tf.reshape(tf.cast(u.grad, tf.float32), [tf.shape(u.grad)[0], -1, dim]) for u in uses], 1
+    )
+    if ids.shape[1] == 1:
+        sq = tf.reduce_sum(tf.square(g[:, 0]), axis=1)
+    else:
+        sq = same_id_sq_norm(ids, g)
+    table = layer.embeddings
+    vocab = int(table.shape[0])
+
+    def weighted_sum(w: tf.Tensor) -> tf.Tensor:
+        wg = g * tf.reshape(tf.cast(w, tf.float32), [-1, 1, 1])
+        total = tf.math.unsorted_segment_sum(
+            tf.reshape(wg, [-1, dim]), tf.reshape(ids, [-1]), vocab
+        )
+        return tf.cast(total, table.dtype)
+
+    return [VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")]
+
+
+def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
+    return "ghost", "same-id sums of output gradients (sorted segments), no [B, vocab, dim]"
+
+
+EMBEDDING = LayerRule(
+    name="embedding",
+    check=_unsupported_variant,
+    forward=_forward,
+    activate=_identity,
+    grads=_grads,
+    plan=_plan,
+)

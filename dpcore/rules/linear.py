@@ -1,0 +1,86 @@
+"""Shared math for layers whose weight gradient is ``A_i^T G_i`` (Dense, EinsumDense, Conv).
+
+Contract: for an example with inputs ``A_i [T, D]`` and output gradients ``G_i [T, P]`` the
+per-example weight gradient is ``A_i^T G_i [D, P]``. Its squared Frobenius norm is computed either
+as ``<A_i A_i^T, G_i G_i^T>`` ("ghost", cost ``O(T^2 (D + P))``, never forms ``[B, D, P]``) or by
+materializing ``A_i^T G_i`` (cost ``O(T D P)``); :func:`choose_path` picks the cheaper one from
+static shapes. ``T = 1`` uses ``||a_i||^2 ||g_i||^2``. All functions are pure tensor math.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def choose_path(t: int | None, d: int, p: int) -> tuple[str, str]:
+    """Ghost or materialized for ``T`` positions, ``D`` inputs, ``P`` outputs, and why.
+
+    Returns:
+      ``("ghost" | "materialized", reason)``.
+    """
+    if t is None:
+        return "ghost", f"unknown length T, D={d}, P={p}: ghost keeps memory O(T^2)"
+    if t == 1:
+        return "ghost", f"one position: ||a||^2*||g||^2 (D={d}, P={p})"
+    ghost, mat = t * t * (d + p), t * d * p
+    if ghost <= mat:
+        return "ghost", f"T={t}: T^2(D+P)={ghost} <= TDP={mat}"
+    return "materialized", f"T={t}: TDP={mat} < T^2(D+P)={ghost}"
+
+
+def sq_norm(a: tf.Tensor, g: tf.Tensor, path: str) -> tf.Tensor:
+    """``||A_i^T G_i||_F^2`` for ``a [B, T, D]``, ``g [B, T, P]`` (float32), shape ``[B]``.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only.
+    """
+    a = tf.cast(a, tf.float32)
+    g = tf.cast(g, tf.float32)
+    if a.shape[1] == 1:
+        return tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
+    if path == "ghost":
+        aa = tf.matmul(a, a, transpose_b=True)
+        gg = tf.matmul(g, g, transpose_b=True)
+        return tf.reduce_sum(aa * gg, axis=[1, 2])
+    per_example = tf.matmul(a, g, transpose_a=True)  # [B, D, P]
+    return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+
+
+def weighted_outer(a: tf.Tensor, g: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """``sum_i w_i A_i^T G_i`` as one ``[D, P]`` matmul over all positions of all examples.
+
+    Privacy:
+      With ``w_i`` the clip factors this is the clipped sum (sensitivity ``C``).
+    """
+    d, p = a.shape[-1], g.shape[-1]
+    g = tf.cast(g, tf.float32) * tf.reshape(tf.cast(w, tf.float32), [-1, 1, 1])
+    return tf.matmul(
+        tf.reshape(tf.cast(a, tf.float32), [-1, d]), tf.reshape(g, [-1, p]), transpose_a=True
+    )
+
+
+def as_sequence(t: tf.Tensor) -> tf.Tensor:
+    """``[B, ..., C] -> [B, T, C]`` (``[B, C] -> [B, 1, C]``)."""
+    return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
+
+
+def static_positions(shape) -> int | None:
+    """``T`` from a static ``[B, ..., C]`` shape (None if any middle dimension is unknown)."""
+    dims = list(shape)[1:-1]
+    t = 1
+    for d in dims:
+        if d is None:
+            return None
+        t *= int(d)
+    return t
+
+
+def rowwise_sq_norm(per_example: tf.Tensor) -> tf.Tensor:
+    """``[B, ...] -> [B]`` sum of squares over all but the batch axis."""
+    per_example = tf.cast(per_example, tf.float32)
+    return tf.reduce_sum(tf.reshape(tf.square(per_example), [tf.shape(per_example)[0], -1]), 1)
+
+
+def weighted_rows(per_example: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """``sum_i w_i per_example[i]``."""
+    return tf.tensordot(tf.cast(w, tf.float32), tf.cast(per_example, tf.float32), axes=1)

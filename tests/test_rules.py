@@ -1,0 +1,244 @@
+"""Each fast-path rule against the slow exact reference: per-example norms and clipped sums.
+
+Every case is one layer on its own (a model ``Input -> layer``) with an MSE loss against random
+targets, a batch that includes an all-zero example, sample weights and a padding row, run eagerly,
+under ``tf.function`` and under ``tf.function(jit_compile=True)``.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpcore.engine import registry
+from dpcore.engine.ghost import fast_summary
+from dpcore.engine.summary import prepare_batch
+from dpcore.losses import per_example_loss_fn
+from dpcore.rules import linear
+from dpcore.rules.embedding import same_id_sq_norm
+from dpcore.testing import reference_per_example_gradients
+
+RTOL = 1e-5
+MODES = ("eager", "function", "jit")
+FAST_MODES = ("eager", "function")  # XLA compiles are slow on 2 cores: one jit case per family
+LOSS = keras.losses.MeanSquaredError(reduction=None)
+
+
+def _summaries(model, x, y, sw, mask, weights, mode):
+    loss_fn = per_example_loss_fn(LOSS)
+
+    def step(x, y, sw, mask, weights):
+        xp, yp, swp, mkp = prepare_batch(x, y, sw, mask)
+        s = fast_summary(
+            model, loss_fn, xp, yp, swp, mkp, model.trainable_variables, training=False
+        )
+        return s.sq_norms, s.weighted_sum(weights), s.per_example_loss, s.paths
+
+    if mode == "eager":
+        sq, sums, loss, paths = step(x, y, sw, mask, weights)
+    else:
+        paths_box = {}
+
+        def traced(*args):
+            sq, sums, loss, paths = step(*args)
+            paths_box.update(paths)
+            return sq, sums, loss
+
+        fn = tf.function(traced, jit_compile=(mode == "jit"))
+        sq, sums, loss = fn(x, y, sw, mask, weights)
+        paths = paths_box
+    return np.asarray(sq), [np.asarray(t) for t in sums], np.asarray(loss), paths
+
+
+def check_rule(model, x, y, *, modes=MODES, expect_path=None, zero_row=True):
+    """Fast norms and weighted sums == reference, with a zero example, weights and a pad row."""
+    b = x.shape[0]
+    x = np.array(x)
+    if zero_row and b > 1:
+        x[1] = 0
+    sw = np.linspace(0.5, 1.5, b).astype("float32")
+    mask = np.ones(b, "float32")
+    if b > 2:
+        mask[-1] = 0.0
+    ref = reference_per_example_gradients(model, LOSS, x, y, sample_weight=sw, mask=mask)
+    ref_sq = np.stack([np.sum(g.reshape(b, -1) ** 2, axis=1) for g in ref], axis=1)
+    assert ref_sq[mask > 0].max() > 0, "degenerate case: all gradients are zero"
+    weights = np.random.default_rng(0).uniform(0.1, 1.0, (b, len(ref))).astype("float32")
+    ref_sums = [np.tensordot(weights[:, j], g, axes=1) for j, g in enumerate(ref)]
+    for mode in modes:
+        sq, sums, loss, paths = _summaries(model, x, y, sw, mask, weights, mode)
+        scale = ref_sq.max()
+        np.testing.assert_allclose(sq, ref_sq, rtol=RTOL, atol=1e-7 * scale, err_msg=mode)
+        for j, (got, want) in enumerate(zip(sums, ref_sums)):
+            np.testing.assert_allclose(
+                got, want, rtol=RTOL, atol=1e-6 * np.abs(want).max(), err_msg=f"{mode} var {j}"
+            )
+        assert np.all(sq[mask == 0] == 0)
+        assert loss[mask == 0].tolist() == [0.0] * int((mask == 0).sum())
+        if expect_path is not None:
+            assert expect_path in paths.values(), (paths, expect_path)
+    return paths
+
+
+def _single(layer, input_shape, dtype="float32"):
+    return keras.Sequential([keras.Input(input_shape, dtype=dtype), layer])
+
+
+def _data(model, b, rng, ints=None):
+    shape = (b, *model.inputs[0].shape[1:])
+    x = rng.integers(0, ints, shape).astype("int32") if ints else rng.normal(size=shape)
+    x = x.astype("int32") if ints else x.astype("float32")
+    y = rng.normal(size=model(x).shape).astype("float32")
+    return x, y
+
+
+DENSE_CASES = {
+    "2d_bias_tanh": (lambda: keras.layers.Dense(3, activation="tanh"), (5,), "ghost"),
+    "2d_no_bias": (lambda: keras.layers.Dense(4, use_bias=False), (3,), "ghost"),
+    "seq_materialized": (lambda: keras.layers.Dense(3, activation="relu"), (6, 4), "materialized"),
+    "seq_ghost": (lambda: keras.layers.Dense(16), (2, 16), "ghost"),
+    "image_input": (lambda: keras.layers.Dense(3, activation="sigmoid"), (2, 3, 4), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_CASES))
+def test_dense(case, rng):
+    make, shape, path = DENSE_CASES[case]
+    model = _single(make(), shape)
+    modes = MODES if case == "2d_bias_tanh" else FAST_MODES
+    check_rule(model, *_data(model, 4, rng), modes=modes, expect_path=path)
+
+
+def test_dense_batch_of_one(rng):
+    model = _single(keras.layers.Dense(3, activation="tanh"), (4, 5))
+    check_rule(model, *_data(model, 1, rng), modes=("eager", "function"))
+
+
+EINSUM_CASES = {
+    "matrix": ("ab,bc->ac", (5,), (3,), "c"),
+    "sequence": ("abc,cd->abd", (4, 5), (4, 3), "d"),
+    "heads_in": ("abc,cde->abde", (3, 6), (3, 2, 4), "de"),
+    "heads_out": ("abcd,cde->abe", (3, 2, 4), (3, 5), "e"),
+    "ellipsis": ("...b,bc->...c", (2, 3, 4), 3, "c"),
+    "shared_axis": ("abc,bcd->abd", (3, 4), (3, 2), None),
+    "no_bias": ("abc,cd->abd", (4, 5), (4, 3), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EINSUM_CASES))
+def test_einsum_dense(case, rng):
+    eq, in_shape, out_shape, bias = EINSUM_CASES[case]
+    layer = keras.layers.EinsumDense(eq, output_shape=out_shape, bias_axes=bias, activation="tanh")
+    model = _single(layer, in_shape)
+    modes = MODES if case in ("heads_in", "ellipsis") else FAST_MODES
+    paths = check_rule(model, *_data(model, 4, rng), modes=modes)
+    if case == "shared_axis":
+        assert paths[layer.name] == "materialized"
+
+
+CONV_CASES = {
+    "conv1d_same": (lambda: keras.layers.Conv1D(3, 3, padding="same", activation="tanh"), (7, 2)),
+    "conv1d_causal_dilated": (
+        lambda: keras.layers.Conv1D(2, 3, padding="causal", dilation_rate=2),
+        (8, 3),
+    ),
+    "conv1d_stride_groups": (
+        lambda: keras.layers.Conv1D(4, 2, strides=2, groups=2, use_bias=False),
+        (9, 4),
+    ),
+    "conv2d_same_stride": (
+        lambda: keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"),
+        (7, 6, 2),
+    ),
+    "conv2d_valid_dilated": (lambda: keras.layers.Conv2D(2, (2, 3), dilation_rate=2), (7, 8, 1)),
+    "conv2d_groups": (lambda: keras.layers.Conv2D(4, 3, groups=2, padding="same"), (5, 5, 4)),
+    "conv2d_ghost": (lambda: keras.layers.Conv2D(8, 3, padding="valid"), (4, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv(case, rng):
+    make, shape = CONV_CASES[case]
+    model = _single(make(), shape)
+    # (grouped convs already run through XLA inside Keras on CPU)
+    modes = MODES if case in ("conv1d_causal_dilated", "conv2d_same_stride") else FAST_MODES
+    check_rule(model, *_data(model, 4, rng), modes=modes)
+
+
+def test_conv_paths_follow_cost():
+    ghost = _single(keras.layers.Conv2D(8, 3), (4, 4, 8))  # T=4, D=72, P=8
+    mat = _single(keras.layers.Conv2D(2, 3, padding="same"), (8, 8, 1))  # T=64, D=9, P=2
+    rule = registry.default_registry()[keras.layers.Conv2D]
+    assert rule.plan(ghost.layers[0], [(None, 4, 4, 8)])[0] == "ghost"
+    assert rule.plan(mat.layers[0], [(None, 8, 8, 1)])[0] == "materialized"
+
+
+@pytest.mark.parametrize("ids_shape", [(6,), (), (2, 3)])
+def test_embedding(ids_shape, rng):
+    layer = keras.layers.Embedding(7, 3)
+    model = _single(layer, ids_shape, dtype="int32")
+    x, y = _data(model, 4, rng, ints=4)  # few distinct ids: many repeats within an example
+    if ids_shape == (6,):
+        x[0] = [2, 2, 2, 5, 2, 5]
+    check_rule(model, x, y, zero_row=False, modes=MODES if ids_shape == (6,) else FAST_MODES)
+
+
+def test_embedding_norm_never_builds_vocab_tensor():
+    ids = tf.constant([[1, 1, 3], [0, 2, 0]])
+    g = tf.constant(np.arange(18, dtype="float32").reshape(2, 3, 3))
+    got = same_id_sq_norm(ids, g).numpy()
+    want = [
+        np.sum((g[0, 0] + g[0, 1]) ** 2) + np.sum(g[0, 2] ** 2),
+        np.sum((g[1, 0] + g[1, 2]) ** 2) + np.sum(g[1, 1] ** 2),
+    ]
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+
+
+NORM_CASES = {
+    "ln_last": (lambda: keras.layers.LayerNormalization(), (4, 5)),
+    "ln_two_axes": (lambda: keras.layers.LayerNormalization(axis=[1, 2]), (3, 4)),
+    "ln_no_center": (lambda: keras.layers.LayerNormalization(center=False), (6,)),
+    "ln_rms": (lambda: keras.layers.LayerNormalization(rms_scaling=True), (3, 4)),
+    "gn_sequence": (lambda: keras.layers.GroupNormalization(groups=2), (5, 6)),
+    "gn_image": (lambda: keras.layers.GroupNormalization(groups=2, epsilon=1e-2), (3, 3, 4)),
+    "gn_instance": (lambda: keras.layers.GroupNormalization(groups=-1, scale=False), (4, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORM_CASES))
+def test_normalization(case, rng):
+    make, shape = NORM_CASES[case]
+    model = _single(make(), shape)
+    # Random gamma/beta so that the rule cannot pass by relying on the initial values.
+    for v in model.trainable_variables:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    modes = MODES if case in ("ln_last", "gn_image") else FAST_MODES
+    check_rule(model, *_data(model, 4, rng), modes=modes)
+
+
+def test_choose_path_prefers_cheaper_form():
+    assert linear.choose_path(1, 100, 100)[0] == "ghost"
+    assert linear.choose_path(4, 100, 100)[0] == "ghost"
+    assert linear.choose_path(1000, 8, 8)[0] == "materialized"
+    assert linear.choose_path(None, 8, 8)[0] == "ghost"
+
+
+def test_ghost_and_materialized_norms_agree(rng):
+    a = tf.constant(rng.normal(size=(3, 5, 4)).astype("float32"))
+    g = tf.constant(rng.normal(size=(3, 5, 2)).astype("float32"))
+    want = np.sum(np.einsum("btd,btp->bdp", a.numpy(), g.numpy()) ** 2, axis=(1, 2))
+    np.testing.assert_allclose(linear.sq_norm(a, g, "ghost"), want, rtol=RTOL)
+    np.testing.assert_allclose(linear.sq_norm(a, g, "materialized"), want, rtol=RTOL)
+
+
+def test_registry_is_explicit_and_exact():
+    reg = registry.default_registry()
+    assert reg is not registry.default_registry()  # a fresh mapping every time
+
+    class MyDense(keras.layers.Dense):
+        pass
+
+    rule, why = registry.lookup(reg, MyDense(2))
+    assert rule is None and "MyDense" in why
+    rule, _ = registry.lookup(reg, keras.layers.Dense(2))
+    assert rule is not None and rule.name == "dense"
