@@ -1,0 +1,720 @@
+"""Benchmark of one DP-SGD training step against the non-private step.
+
+Contract: for every (model, method, batch size) configuration, one child process builds the
+model, traces the step, runs ``--warmup`` untimed steps and then ``--steps`` timed ones, and
+reports the median milliseconds per training step (forward + backward + clip + noise + apply),
+its peak resident memory (whole process, and during the timed steps alone) and, on a GPU, peak
+device memory. One process per configuration keeps each peak-memory figure its own. The parent
+process runs the non-private configuration of each (model, batch size) first and reports every
+other row's ratio to it, measured in the same run. A per-row timeout and a per-row resident
+memory cap stop pathological configurations (the row says so instead of hanging the run).
+
+With ``--peer``, the same rows are produced for TensorFlow Privacy 0.9.0 by
+``experiments/peer_bench.py`` in its own TensorFlow 2.15 virtual environment; each peer row's
+ratio is to the peer's own non-private step.
+
+Methods (dpcore side):
+  nonprivate  mean loss, one backward pass, apply.
+  loop        a ``tf.while_loop`` over examples, batch size 1 each: per-example gradient, clip,
+              accumulate (the textbook reference; slow).
+  jacobian    ``tape.jacobian`` of the ``[B]`` per-example losses (what TF Privacy's
+              microbatched optimizer does).
+  vectorized  ``dpcore.engine.summarize(method="vectorized")``.
+  fast        ``dpcore.engine.summarize(method="fast")`` (ghost norms + book-keeping).
+
+Usage:
+  python experiments/benchmark.py --models=mlp,cnn --methods=nonprivate,vectorized,fast \
+      --batch_sizes=64,256 --steps=10 --json=/tmp/bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+
+MODELS = ("mlp", "cnn", "text", "transformer")
+METHODS = ("nonprivate", "loop", "jacobian", "vectorized", "fast")
+SLOW_METHODS = ("loop", "jacobian")
+PEER_METHODS = ("nonprivate", "dpkeras", "dpsequential", "vectorized")
+RESULT_PREFIX = "BENCH_RESULT "
+NUM_CLASSES = {"mlp": 10, "cnn": 10, "text": 2, "transformer": 2}
+TEXT_VOCAB, TEXT_SEQ, TEXT_DIM = 20000, 256, 64
+TRANSFORMER_SEQ, TRANSFORMER_DIM = 128, 128
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+    """Defines the command-line flags (called only when run as a program).
+
+    Keeping flag definitions out of import time lets the experiment modules be imported
+    together (tests, other binaries) without duplicate-flag errors.
+    """
+    flags.DEFINE_list("models", list(MODELS), f"Models, from {MODELS}.")
+    flags.DEFINE_list("methods", list(METHODS), f"dpcore methods, from {METHODS}.")
+    flags.DEFINE_list("batch_sizes", ["64", "256", "1024"], "Batch sizes.")
+    flags.DEFINE_integer("steps", 10, "Timed steps per configuration (the median is reported).")
+    flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first one traces).")
+    flags.DEFINE_integer(
+        "slow_max_batch",
+        256,
+        "loop/jacobian (and the peer's dpkeras/vectorized) rows above this batch size are skipped "
+        "and marked so; they take minutes per step there.",
+    )
+    flags.DEFINE_integer("slow_steps", 3, "Timed steps for loop/jacobian rows (capped, marked).")
+    flags.DEFINE_float("row_timeout_s", 600.0, "Wall-clock limit of one configuration's process.")
+    flags.DEFINE_float("max_rss_mb", 12000.0, "A configuration whose RSS passes this is stopped.")
+    flags.DEFINE_float("l2_norm_clip", 1.0, "Clip bound C of the DP step.")
+    flags.DEFINE_float("noise_multiplier", 1.0, "Noise multiplier of the DP step.")
+    flags.DEFINE_float("learning_rate", 0.01, "SGD learning rate (every method).")
+    flags.DEFINE_string("json", None, "Write the rows (a JSON list) here.")
+    flags.DEFINE_string("markdown", None, "Write the tables (Markdown) here.")
+    flags.DEFINE_bool("peer", False, "Also run TensorFlow Privacy 0.9.0 in its own TF 2.15 env.")
+    flags.DEFINE_list(
+        "peer_methods",
+        ["nonprivate", "dpkeras", "dpsequential"],
+        f"Peer methods, from {PEER_METHODS}.",
+    )
+    flags.DEFINE_string(
+        "peer_python", None, "Python of the peer env (default: built on first use)."
+    )
+    flags.DEFINE_string("child", None, "Internal: run one 'model,method,batch' row and print it.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data (the child process side).
+
+
+def build_model(name: str, *, seed: int = 0) -> Any:
+    """The benchmark model of that name (a built Keras 3 model).
+
+    Args:
+      name: one of ``MODELS``.
+      seed: weight initialization seed.
+
+    Returns:
+      A Functional or Sequential Keras model producing logits.
+    """
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    if name == "mlp":
+        return keras.Sequential(
+            [
+                keras.Input((784,)),
+                layers.Dense(512, activation="relu"),
+                layers.Dense(256, activation="relu"),
+                layers.Dense(10),
+            ],
+            name="mlp",
+        )
+    if name == "cnn":  # the end-to-end tanh CNN of Tramer & Boneh (2021), 28x28 inputs
+        return keras.Sequential(
+            [
+                keras.Input((28, 28, 1)),
+                layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
+                layers.MaxPooling2D(2, strides=1),
+                layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
+                layers.MaxPooling2D(2, strides=1),
+                layers.Flatten(),
+                layers.Dense(32, activation="tanh"),
+                layers.Dense(10),
+            ],
+            name="cnn",
+        )
+    if name == "text":
+        inputs = keras.Input((TEXT_SEQ,), dtype="int32")
+        h = layers.Embedding(TEXT_VOCAB, TEXT_DIM)(inputs)
+        h = layers.Conv1D(64, 5, activation="relu")(h)
+        h = layers.GlobalMaxPooling1D()(h)
+        h = layers.Dense(64, activation="relu")(h)
+        return keras.Model(inputs, layers.Dense(2)(h), name="text")
+    if name == "transformer":  # 2 encoder blocks on [seq, d] float features (no embedding)
+        inputs = keras.Input((TRANSFORMER_SEQ, TRANSFORMER_DIM))
+        h = inputs
+        for _ in range(2):
+            a = layers.MultiHeadAttention(num_heads=4, key_dim=TRANSFORMER_DIM // 4)(h, h)
+            h = layers.LayerNormalization()(h + a)
+            f = layers.Dense(2 * TRANSFORMER_DIM, activation="relu")(h)
+            f = layers.Dense(TRANSFORMER_DIM)(f)
+            h = layers.LayerNormalization()(h + f)
+        h = layers.GlobalAveragePooling1D()(h)
+        return keras.Model(inputs, layers.Dense(2)(h), name="transformer")
+    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}.")
+
+
+def make_batch(name: str, batch_size: int, *, seed: int = 0) -> tuple[Any, Any]:
+    """A synthetic batch ``(x, y)`` (numpy) for the model of that name."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, NUM_CLASSES[name], batch_size).astype("int32")
+    if name == "mlp":
+        x = rng.random((batch_size, 784), dtype=np.float32)
+    elif name == "cnn":
+        x = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
+    elif name == "text":
+        x = rng.integers(0, TEXT_VOCAB, (batch_size, TEXT_SEQ)).astype("int32")
+    elif name == "transformer":
+        x = rng.normal(size=(batch_size, TRANSFORMER_SEQ, TRANSFORMER_DIM)).astype("float32")
+    else:
+        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}.")
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# DP steps built directly from the engine and aggregation APIs.
+
+
+def _dense(g: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(g)
+
+
+def _summary_from_grads(variables, grads, losses, y_pred) -> Any:
+    """A GradientSummary over materialized per-example gradients ``[B, *var.shape]``."""
+    import tensorflow as tf
+
+    from dpcore.engine.summary import GradientSummary
+
+    flat = [tf.reshape(g, [tf.shape(g)[0], -1]) for g in grads]
+    sq = tf.stack([tf.reduce_sum(tf.square(f), axis=1) for f in flat], axis=1)
+
+    def weighted_sum(weights):
+        return [
+            tf.reshape(tf.linalg.matvec(f, weights[:, v], transpose_a=True), tf.shape(g)[1:])
+            for v, (f, g) in enumerate(zip(flat, grads))
+        ]
+
+    return GradientSummary(
+        variables=tuple(variables),
+        sq_norms=sq,
+        per_example_loss=losses,
+        mask=tf.ones_like(losses),
+        y_pred=y_pred,
+        weighted_sum=weighted_sum,
+    )
+
+
+def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -> Any:
+    """Clipped sum by a loop over examples, one batch-size-1 backward pass each."""
+    import tensorflow as tf
+
+    from dpcore.aggregation import ClippedSum, clip_factors
+
+    b = tf.shape(y)[0]
+
+    def body(i, acc, norms, losses):
+        xi, yi = x[i : i + 1], y[i : i + 1]
+        with tf.GradientTape() as tape:
+            li = tf.reduce_sum(loss_fn(yi, model(xi, training=True)))
+        g = tape.gradient(li, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        g = [_dense(t) for t in g]
+        norm = tf.linalg.global_norm(g)
+        f = clip_factors(norm, l2_norm_clip=l2_norm_clip)
+        acc = [a + f * t for a, t in zip(acc, g)]
+        return i + 1, acc, norms.write(i, norm), losses.write(i, li)
+
+    acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
+    ta = tf.TensorArray(tf.float32, size=b)
+    _, acc, norms, losses = tf.while_loop(
+        lambda i, *_: i < b, body, [tf.constant(0), acc0, ta, ta], parallel_iterations=1
+    )
+    norms = norms.stack()
+    return ClippedSum(
+        grads=tuple(acc),
+        l2_sensitivity=float(l2_norm_clip),
+        num_examples=tf.cast(b, tf.float32),
+        per_example_norms=norms,
+        clip_weights=clip_factors(norms, l2_norm_clip=l2_norm_clip)[:, None],
+        per_example_loss=losses.stack(),
+    )
+
+
+def make_train_step(
+    model: Any,
+    method: str,
+    *,
+    batch_size: int,
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    learning_rate: float,
+    info: dict | None = None,
+) -> Callable[[Any, Any], Any]:
+    """One compiled training step ``step(x, y) -> loss`` for the given method.
+
+    Args:
+      model: a built Keras model.
+      method: one of ``METHODS``.
+      batch_size: used as ``expected_batch_size`` of the DP step.
+      l2_norm_clip: clip bound C.
+      noise_multiplier: noise std / C.
+      learning_rate: SGD learning rate.
+      info: if given, filled at trace time with the engine's per-variable paths.
+
+    Returns:
+      A ``tf.function``; the DP variants clip, add noise (seed advanced every step) and apply.
+
+    Privacy:
+      The DP variants clip every example to ``l2_norm_clip`` and add Gaussian noise once per step
+      (benchmark only: the data are synthetic and no accounting is done).
+    """
+    import keras
+    import tensorflow as tf
+
+    from dpcore import aggregation, engine
+
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; expected one of {METHODS}.")
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    variables = list(model.trainable_variables)
+    opt = keras.optimizers.SGD(learning_rate=learning_rate)
+    opt.build(variables)
+    seed = tf.Variable([0, 0], dtype=tf.int64, trainable=False)
+    info = {} if info is None else info
+
+    def privatize_and_apply(clipped):
+        s = seed.read_value()
+        seed.assign_add(tf.constant([0, 1], tf.int64))
+        grads = aggregation.privatize(
+            clipped,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=batch_size,
+            seed=s,
+        )
+        opt.apply(grads, variables)
+        return tf.reduce_mean(clipped.per_example_loss)
+
+    @tf.function
+    def step(x, y):
+        if method == "nonprivate":
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(y, model(x, training=True)))
+            opt.apply(tape.gradient(loss, variables), variables)
+            return loss
+        if method == "loop":
+            clipped = _loop_clipped_sum(model, loss_fn, x, y, variables, l2_norm_clip=l2_norm_clip)
+            return privatize_and_apply(clipped)
+        if method == "jacobian":
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                losses = loss_fn(y, y_pred)
+            jac = tape.jacobian(
+                losses, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
+            summary = _summary_from_grads(variables, [_dense(j) for j in jac], losses, y_pred)
+        else:
+            summary = engine.summarize(model, loss_fn, x, y, variables=variables, method=method)
+        info["paths"] = dict(summary.paths)
+        return privatize_and_apply(aggregation.clip(summary, l2_norm_clip=l2_norm_clip))
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring one configuration (inside its own process).
+
+
+def _proc_status_kb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Resets this process's VmHWM (Linux >= 4.0); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _gpu_memory(reset: bool = False) -> float | None:
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        return None
+    if reset:
+        tf.config.experimental.reset_memory_stats("GPU:0")
+        return None
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+
+
+def path_counts(paths: dict[str, str]) -> dict[str, int]:
+    """How many variables each engine path computed."""
+    counts: dict[str, int] = {}
+    for p in paths.values():
+        counts[p] = counts.get(p, 0) + 1
+    return counts
+
+
+def measure(
+    model_name: str,
+    method: str,
+    batch_size: int,
+    *,
+    steps: int,
+    warmup: int,
+    l2_norm_clip: float = 1.0,
+    noise_multiplier: float = 1.0,
+    learning_rate: float = 0.01,
+) -> dict:
+    """Times one configuration in this process.
+
+    Returns:
+      A row with ``median_ms``, ``step_ms`` (every timed step), ``peak_rss_mb`` (whole process),
+      ``step_peak_rss_mb`` (peak during the timed steps, tracing excluded), ``peak_device_mb``
+      (GPU only), ``trace_s`` (the first call) and the engine paths taken.
+
+    Privacy:
+      Runs on synthetic data only.
+    """
+    import tensorflow as tf
+
+    model = build_model(model_name)
+    xb, yb = make_batch(model_name, batch_size)
+    x, y = tf.constant(xb), tf.constant(yb)
+    info: dict = {}
+    step = make_train_step(
+        model,
+        method,
+        batch_size=batch_size,
+        l2_norm_clip=l2_norm_clip,
+        noise_multiplier=noise_multiplier,
+        learning_rate=learning_rate,
+        info=info,
+    )
+    t0 = time.perf_counter()
+    loss = float(step(x, y))
+    trace_s = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        loss = float(step(x, y))
+    rss_before_mb = (_proc_status_kb("VmRSS") or 0.0) / 1024
+    hwm_reset = _reset_peak_rss()
+    _gpu_memory(reset=True)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = float(step(x, y))
+        times.append((time.perf_counter() - t0) * 1000.0)
+    step_peak = _proc_status_kb("VmHWM") if hwm_reset else None
+    return {
+        "median_ms": statistics.median(times),
+        "step_ms": [round(t, 3) for t in times],
+        "steps_timed": steps,
+        "trace_s": round(trace_s, 3),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_peak_rss_mb": None if step_peak is None else step_peak / 1024,
+        "rss_before_steps_mb": rss_before_mb,
+        "peak_device_mb": _gpu_memory(),
+        "params": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
+        "final_loss": loss,
+        "paths": path_counts(info.get("paths", {})),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: one subprocess per configuration.
+
+
+def _child_rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return float(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_subprocess(
+    cmd: Sequence[str], *, timeout_s: float, max_rss_mb: float, env: dict | None = None
+) -> dict:
+    """Runs one configuration's process; returns its result row fields or why it has none.
+
+    The child prints one line ``BENCH_RESULT {json}``. The parent watches its RSS and wall time
+    and kills it (status ``memory_cap`` / ``timeout``) past the limits.
+    """
+    env = dict(os.environ if env is None else env)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    status, max_seen = None, 0.0
+    while proc.poll() is None:
+        max_seen = max(max_seen, _child_rss_mb(proc.pid))
+        if max_seen > max_rss_mb:
+            status = "memory_cap"
+        elif time.perf_counter() - start > timeout_s:
+            status = "timeout"
+        if status:
+            proc.kill()
+            break
+        time.sleep(0.1)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    if status:
+        limit = f"{max_rss_mb:.0f} MB RSS" if status == "memory_cap" else f"{timeout_s:.0f} s"
+        return {"status": status, "note": f"stopped at {limit}", "wall_s": round(wall, 1)}
+    for line in out.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            row = json.loads(line[len(RESULT_PREFIX) :])
+            row["wall_s"] = round(wall, 1)
+            return row
+    tail = [ln for ln in (err or "").splitlines() if ln.strip()][-3:]
+    return {
+        "status": "error",
+        "note": f"exit {proc.returncode}: " + " | ".join(tail)[-500:],
+        "wall_s": round(wall, 1),
+    }
+
+
+def child_main(spec: str) -> None:
+    """Runs one ``model,method,batch`` configuration and prints its row."""
+    model_name, method, batch = spec.split(",")
+    batch_size = int(batch)
+    steps = FLAGS.slow_steps if method in SLOW_METHODS else FLAGS.steps
+    row: dict[str, Any] = {"impl": "dpcore", "model": model_name, "method": method}
+    row["batch_size"] = batch_size
+    try:
+        row.update(
+            measure(
+                model_name,
+                method,
+                batch_size,
+                steps=steps,
+                warmup=FLAGS.warmup,
+                l2_norm_clip=FLAGS.l2_norm_clip,
+                noise_multiplier=FLAGS.noise_multiplier,
+                learning_rate=FLAGS.learning_rate,
+            )
+        )
+        row["status"] = "ok"
+        if method in SLOW_METHODS and steps < FLAGS.steps:
+            row["note"] = f"capped: {steps} timed steps"
+    except Exception as err:  # reported in the row, not raised: the run goes on
+        row["status"] = "unavailable" if isinstance(err, ImportError) else "error"
+        msg = [ln for ln in str(err).splitlines() if ln.strip()]
+        row["note"] = f"{type(err).__name__}: {(msg[-1] if msg else '')[:400]}"
+    print(RESULT_PREFIX + json.dumps(row), flush=True)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Adds each row's time and memory ratios to the non-private row of its impl/model/batch."""
+    base = {
+        (r["impl"], r["model"], r["batch_size"]): r
+        for r in rows
+        if r["method"] == "nonprivate" and r.get("status") == "ok"
+    }
+    for r in rows:
+        b = base.get((r["impl"], r["model"], r["batch_size"]))
+        ok = r.get("status") == "ok" and b is not None
+        r["ratio_to_nonprivate"] = r["median_ms"] / b["median_ms"] if ok else None
+        r["rss_ratio_to_nonprivate"] = r["peak_rss_mb"] / b["peak_rss_mb"] if ok else None
+        sp, bp = r.get("step_peak_rss_mb"), (b or {}).get("step_peak_rss_mb")
+        r["step_rss_ratio_to_nonprivate"] = sp / bp if ok and sp and bp else None
+    return rows
+
+
+def _fmt(v: Any, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_tables(rows: list[dict]) -> str:
+    """Markdown: a full table of rows and a compact ratio table per (model, batch)."""
+    lines = [
+        "| model | batch | impl | method | median ms | x non-private | peak RSS MB "
+        "| step peak RSS MB | x RSS (step) | status / note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        note = r.get("status", "")
+        if r.get("note"):
+            note += f": {r['note']}"
+        if r.get("paths") and r["method"] in ("fast", "dpsequential"):
+            note += " paths " + ",".join(f"{k}={v}" for k, v in sorted(r["paths"].items()))
+        lines.append(
+            f"| {r['model']} | {r['batch_size']} | {r['impl']} | {r['method']} "
+            f"| {_fmt(r.get('median_ms'))} | {_fmt(r.get('ratio_to_nonprivate'), '.2f')} "
+            f"| {_fmt(r.get('peak_rss_mb'), '.0f')} | {_fmt(r.get('step_peak_rss_mb'), '.0f')} "
+            f"| {_fmt(r.get('step_rss_ratio_to_nonprivate'), '.2f')} | {note} |"
+        )
+    cols = []
+    for r in rows:
+        key = (r["impl"], r["method"])
+        if r["method"] != "nonprivate" and key not in cols:
+            cols.append(key)
+    head = ["model", "batch", "non-private ms"] + [
+        m if i == "dpcore" else f"peer {m}" for i, m in cols
+    ]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = []
+    for r in rows:
+        if (r["model"], r["batch_size"]) not in keys:
+            keys.append((r["model"], r["batch_size"]))
+    index = {(r["impl"], r["model"], r["batch_size"], r["method"]): r for r in rows}
+    for model, batch in keys:
+        np_row = index.get(("dpcore", model, batch, "nonprivate"), {})
+        cells = [model, str(batch), _fmt(np_row.get("median_ms"))]
+        for impl, method in cols:
+            r = index.get((impl, model, batch, method))
+            if r is None:
+                cells.append("")
+            elif r.get("ratio_to_nonprivate") is not None:
+                cells.append(f"{r['ratio_to_nonprivate']:.2f}x")
+            else:
+                cells.append(r.get("status", "-"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def peer_python() -> str:
+    """Path of the peer env's Python (TF 2.15.1 + tensorflow-privacy 0.9.0), built on first use.
+
+    Uses ``experiments/peer_env.py``'s ``ensure_peer_env`` when present, else a minimal local
+    equivalent: a ``.peer-venv`` beside the repository built with Python 3.11 or 3.10.
+    """
+    if FLAGS.peer_python:
+        return FLAGS.peer_python
+    try:
+        from dpcore_experiments.peer_env import ensure_peer_env
+    except ImportError:
+        return _ensure_local_peer_env()
+    return str(ensure_peer_env())
+
+
+def _ensure_local_peer_env() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    venv = os.path.join(root, ".peer-venv")
+    py = os.path.join(venv, "bin", "python")
+    probe = [py, "-c", "import tensorflow, tensorflow_privacy"]
+    if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
+        return py
+    base = next(
+        (p for p in ("python3.11", "python3.10", "python3.9") if _which(p)),
+        None,
+    )
+    if base is None:
+        raise RuntimeError("the peer needs Python 3.9-3.11 (TF 2.15); none was found on PATH.")
+    print(f"building the peer env in {venv} (first use) ...", flush=True)
+    subprocess.run([base, "-m", "venv", venv], check=True)
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "tensorflow-cpu==2.15.1", "tensorflow-privacy==0.9.0"],
+        check=True,
+    )
+    return py
+
+
+def _which(name: str) -> str | None:
+    from shutil import which
+
+    return which(name)
+
+
+def _rows_plan(models, methods, batch_sizes) -> list[tuple[str, str, int]]:
+    plan = []
+    for model in models:
+        for b in batch_sizes:
+            ordered = ["nonprivate"] + [m for m in methods if m != "nonprivate"]
+            plan += [(model, m, b) for m in ordered]
+    return plan
+
+
+def _common_flags() -> list[str]:
+    return [
+        f"--steps={FLAGS.steps}",
+        f"--warmup={FLAGS.warmup}",
+        f"--slow_steps={FLAGS.slow_steps}",
+        f"--l2_norm_clip={FLAGS.l2_norm_clip}",
+        f"--noise_multiplier={FLAGS.noise_multiplier}",
+        f"--learning_rate={FLAGS.learning_rate}",
+    ]
+
+
+def run_benchmark() -> list[dict]:
+    """Runs every configuration (and the peer's, with ``--peer``); returns rows with ratios."""
+    for m in FLAGS.models:
+        if m not in MODELS:
+            raise app.UsageError(f"--models: unknown {m!r}; expected some of {MODELS}.")
+    for m in FLAGS.methods:
+        if m not in METHODS:
+            raise app.UsageError(f"--methods: unknown {m!r}; expected some of {METHODS}.")
+    for m in FLAGS.peer_methods:
+        if m not in PEER_METHODS:
+            raise app.UsageError(f"--peer_methods: unknown {m!r}; expected some of {PEER_METHODS}.")
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    jobs = [("dpcore", *c) for c in _rows_plan(FLAGS.models, FLAGS.methods, batch_sizes)]
+    if FLAGS.peer:
+        jobs += [("peer", *c) for c in _rows_plan(FLAGS.models, FLAGS.peer_methods, batch_sizes)]
+        peer_py = peer_python()
+        peer_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_bench.py")
+    rows = []
+    for k, (side, model, method, b) in enumerate(jobs, 1):
+        slow = method in (SLOW_METHODS if side == "dpcore" else ("dpkeras", "vectorized"))
+        row = {"impl": "dpcore" if side == "dpcore" else "tf_privacy-0.9.0"}
+        row.update(model=model, method=method, batch_size=b, median_ms=None, peak_rss_mb=None)
+        if slow and b > FLAGS.slow_max_batch:
+            row.update(status="skipped", note=f"batch > --slow_max_batch={FLAGS.slow_max_batch}")
+        else:
+            if side == "dpcore":
+                cmd = [sys.executable, os.path.abspath(__file__), f"--child={model},{method},{b}"]
+            else:
+                cmd = [peer_py, peer_script, f"--model={model}", f"--method={method}"]
+                cmd += [f"--batch_size={b}"]
+            row.update(
+                run_subprocess(
+                    cmd + _common_flags(),
+                    timeout_s=FLAGS.row_timeout_s,
+                    max_rss_mb=FLAGS.max_rss_mb,
+                )
+            )
+            row["impl"] = "dpcore" if side == "dpcore" else "tf_privacy-0.9.0"
+        print(
+            f"[{k}/{len(jobs)}] {row['impl']} {model} {method} b={b}: {row.get('status')} "
+            f"{_fmt(row.get('median_ms'))} ms, peak RSS {_fmt(row.get('peak_rss_mb'), '.0f')} MB"
+            + (f" ({row['note']})" if row.get("note") else ""),
+            flush=True,
+        )
+        rows.append(row)
+    return add_ratios(rows)
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    if FLAGS.child:
+        child_main(FLAGS.child)
+        return
+    rows = run_benchmark()
+    tables = format_tables(rows)
+    print(tables)
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if FLAGS.markdown:
+        with open(FLAGS.markdown, "w") as f:
+            f.write(tables)
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)

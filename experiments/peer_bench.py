@@ -1,0 +1,240 @@
+"""Peer side of the benchmark: one TensorFlow Privacy 0.9.0 training-step configuration.
+
+Contract: runs inside the peer's own environment (TensorFlow 2.15.1, Keras 2,
+tensorflow-privacy 0.9.0; see ``experiments/benchmark.py --peer``), never in dpcore's. It builds
+the same four benchmark models as ``experiments/benchmark.py`` with ``tf.keras``, times
+``model.train_on_batch`` for one method and prints one line ``BENCH_RESULT {json}`` with the same
+fields as dpcore's rows. It imports nothing from dpcore.
+
+Methods:
+  nonprivate    plain SGD, mean loss (the peer's own baseline; ratios are to it).
+  dpkeras       ``DPKerasSGDOptimizer`` with ``num_microbatches`` = batch size (per-example
+                clipping through ``tape.jacobian``).
+  vectorized    ``VectorizedDPKerasSGDOptimizer``, same microbatching.
+  dpsequential  ``DPSequential`` / ``DPModel`` with a layer registry (fast gradient clipping).
+                Its registry covers Dense and Embedding (plus LayerNormalization and
+                MultiHeadAttention here); a model with any other trainable layer (Conv) falls
+                back to its vectorized per-microbatch path, reported as ``fast_clipping: false``.
+                ``use_xla=False``, like every other row.
+
+Usage (inside the peer env):
+  python experiments/peer_bench.py --model=mlp --method=dpsequential --batch_size=256
+"""
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+RESULT_PREFIX = "BENCH_RESULT "
+MODELS = ("mlp", "cnn", "text", "transformer")
+METHODS = ("nonprivate", "dpkeras", "vectorized", "dpsequential")
+SLOW_METHODS = ("dpkeras", "vectorized")
+NUM_CLASSES = {"mlp": 10, "cnn": 10, "text": 2, "transformer": 2}
+TEXT_VOCAB, TEXT_SEQ, TEXT_DIM = 20000, 256, 64
+TRANSFORMER_SEQ, TRANSFORMER_DIM = 128, 128
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "mlp", MODELS, "Benchmark model.")
+flags.DEFINE_enum("method", "nonprivate", METHODS, "Peer method.")
+flags.DEFINE_integer("batch_size", 64, "Batch size.")
+flags.DEFINE_integer("steps", 10, "Timed steps.")
+flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first one traces).")
+flags.DEFINE_integer("slow_steps", 3, "Timed steps for the microbatched optimizers.")
+flags.DEFINE_float("l2_norm_clip", 1.0, "Clip bound.")
+flags.DEFINE_float("noise_multiplier", 1.0, "Noise multiplier.")
+flags.DEFINE_float("learning_rate", 0.01, "SGD learning rate.")
+
+
+def _layers(name):
+    import tensorflow as tf
+
+    L = tf.keras.layers
+    if name == "mlp":
+        return [
+            L.InputLayer(input_shape=(784,)),
+            L.Dense(512, activation="relu"),
+            L.Dense(256, activation="relu"),
+            L.Dense(10),
+        ]
+    if name == "cnn":
+        return [
+            L.InputLayer(input_shape=(28, 28, 1)),
+            L.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
+            L.MaxPooling2D(2, strides=1),
+            L.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
+            L.MaxPooling2D(2, strides=1),
+            L.Flatten(),
+            L.Dense(32, activation="tanh"),
+            L.Dense(10),
+        ]
+    return None
+
+
+def _functional_graph(name):
+    """(inputs, outputs) of the functional models, built with tf.keras (Keras 2)."""
+    import tensorflow as tf
+
+    L = tf.keras.layers
+    if name == "text":
+        inputs = tf.keras.Input((TEXT_SEQ,), dtype="int32")
+        h = L.Embedding(TEXT_VOCAB, TEXT_DIM)(inputs)
+        h = L.Conv1D(64, 5, activation="relu")(h)
+        h = L.GlobalMaxPooling1D()(h)
+        h = L.Dense(64, activation="relu")(h)
+        return inputs, L.Dense(2)(h)
+    inputs = tf.keras.Input((TRANSFORMER_SEQ, TRANSFORMER_DIM))
+    h = inputs
+    for _ in range(2):
+        a = L.MultiHeadAttention(num_heads=4, key_dim=TRANSFORMER_DIM // 4)(h, h)
+        h = L.LayerNormalization()(h + a)
+        f = L.Dense(2 * TRANSFORMER_DIM, activation="relu")(h)
+        f = L.Dense(TRANSFORMER_DIM)(f)
+        h = L.LayerNormalization()(h + f)
+    h = L.GlobalAveragePooling1D()(h)
+    return inputs, L.Dense(2)(h)
+
+
+def _registry():
+    import tensorflow as tf
+    from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+
+    registry = layer_registry.make_default_layer_registry()
+    try:
+        from tensorflow_privacy.privacy.fast_gradient_clipping.registry_functions import (
+            layer_normalization,
+            multi_head_attention,
+        )
+
+        registry.insert(
+            tf.keras.layers.LayerNormalization,
+            layer_normalization.layer_normalization_computation,
+        )
+        registry.insert(
+            tf.keras.layers.MultiHeadAttention,
+            multi_head_attention.multi_head_attention_layer_computation,
+        )
+    except (ImportError, AttributeError):
+        pass
+    return registry
+
+
+def build(name, method, batch_size):
+    """The compiled peer model for one method."""
+    import tensorflow as tf
+    import tensorflow_privacy as tfp
+
+    tf.keras.utils.set_random_seed(0)
+    dp_args = dict(l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier)
+    layers = _layers(name)
+    if method == "dpsequential":
+        dp_args.update(use_xla=False, layer_registry=_registry())
+        if layers is not None:
+            model = tfp.DPSequential(layers=layers, **dp_args)
+        else:
+            inputs, outputs = _functional_graph(name)
+            model = tfp.DPModel(inputs=inputs, outputs=outputs, **dp_args)
+    elif layers is not None:
+        model = tf.keras.Sequential(layers)
+    else:
+        inputs, outputs = _functional_graph(name)
+        model = tf.keras.Model(inputs, outputs)
+    reduction = tf.keras.losses.Reduction.AUTO
+    if method == "nonprivate" or method == "dpsequential":
+        opt = tf.keras.optimizers.SGD(learning_rate=FLAGS.learning_rate)
+    else:
+        cls = tfp.DPKerasSGDOptimizer if method == "dpkeras" else tfp.VectorizedDPKerasSGDOptimizer
+        opt = cls(num_microbatches=batch_size, learning_rate=FLAGS.learning_rate, **dp_args)
+        reduction = tf.keras.losses.Reduction.NONE
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    model.compile(optimizer=opt, loss=loss, jit_compile=False)
+    return model
+
+
+def make_batch(name, batch_size):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, NUM_CLASSES[name], batch_size).astype("int32")
+    if name == "mlp":
+        x = rng.random((batch_size, 784), dtype=np.float32)
+    elif name == "cnn":
+        x = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
+    elif name == "text":
+        x = rng.integers(0, TEXT_VOCAB, (batch_size, TEXT_SEQ)).astype("int32")
+    else:
+        x = rng.normal(size=(batch_size, TRANSFORMER_SEQ, TRANSFORMER_DIM)).astype("float32")
+    return x, y
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1])
+    return None
+
+
+def measure(name, method, batch_size, steps, warmup):
+    import tensorflow as tf
+
+    model = build(name, method, batch_size)
+    xb, yb = make_batch(name, batch_size)
+    x, y = tf.constant(xb), tf.constant(yb)
+    t0 = time.perf_counter()
+    loss = model.train_on_batch(x, y)
+    trace_s = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        loss = model.train_on_batch(x, y)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = model.train_on_batch(x, y)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    row = {
+        "median_ms": statistics.median(times),
+        "step_ms": [round(t, 3) for t in times],
+        "steps_timed": steps,
+        "trace_s": round(trace_s, 3),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_peak_rss_mb": _status_kb("VmHWM") / 1024 if reset else None,
+        "peak_device_mb": None,
+        "params": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
+        "final_loss": float(loss if not isinstance(loss, list) else loss[0]),
+        "tf_version": tf.__version__,
+    }
+    if method == "dpsequential":
+        fast = bool(getattr(model, "_enable_fast_peg_computation", False))
+        row["paths"] = {"fast_clipping" if fast else "vectorized_microbatch": 1}
+    return row
+
+
+def main(argv):
+    del argv
+    steps = FLAGS.slow_steps if FLAGS.method in SLOW_METHODS else FLAGS.steps
+    row = {"impl": "tf_privacy-0.9.0", "model": FLAGS.model, "method": FLAGS.method}
+    row["batch_size"] = FLAGS.batch_size
+    try:
+        row.update(measure(FLAGS.model, FLAGS.method, FLAGS.batch_size, steps, FLAGS.warmup))
+        row["status"] = "ok"
+        if FLAGS.method in SLOW_METHODS and steps < FLAGS.steps:
+            row["note"] = f"capped: {steps} timed steps"
+    except Exception as err:  # reported in the row
+        row["status"] = "error"
+        msg = [ln for ln in str(err).splitlines() if ln.strip()]
+        row["note"] = f"{type(err).__name__}: {(msg[-1] if msg else '')[:400]}"
+    sys.stdout.write(RESULT_PREFIX + json.dumps(row) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,233 @@
+"""Smoke and correctness tests of experiments/benchmark.py and experiments/gradient_stats.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from dpcore_experiments import benchmark, gradient_stats
+
+from dpcore.testing.reference import reference_per_example_gradients
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW_KEYS = {"model", "method", "batch_size", "median_ms", "ratio_to_nonprivate", "peak_rss_mb"}
+
+
+def _updated_weights(model_name: str, method: str, x, y, *, l2_norm_clip: float):
+    model = benchmark.build_model(model_name, seed=0)
+    step = benchmark.make_train_step(
+        model,
+        method,
+        batch_size=len(y),
+        l2_norm_clip=l2_norm_clip,
+        noise_multiplier=0.0,
+        learning_rate=1.0,
+    )
+    before = [v.numpy() for v in model.trainable_variables]
+    step(tf.constant(x), tf.constant(y))
+    return [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
+
+
+def _reference_update(model_name: str, x, y, *, l2_norm_clip: float):
+    """Clipped mean gradient from the slow eager one-example-at-a-time reference."""
+    model = benchmark.build_model(model_name, seed=0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    grads = reference_per_example_gradients(model, loss, x, y, training=True)
+    b = len(y)
+    norms = np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in grads))
+    factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-12))
+    return [np.tensordot(factors, g, axes=1) / b for g in grads]
+
+
+@pytest.mark.parametrize(
+    "model_name,methods",
+    [
+        ("mlp", ("loop", "jacobian", "vectorized", "fast")),
+        ("cnn", ("fast",)),
+        ("text", ("loop", "fast")),
+    ],
+)
+def test_dp_steps_apply_the_reference_clipped_mean(model_name, methods):
+    # With noise 0 and lr 1, one step moves the weights by exactly the clipped mean gradient.
+    x, y = benchmark.make_batch(model_name, 3, seed=1)
+    c = 0.05  # small enough that every example is clipped
+    expected = _reference_update(model_name, x, y, l2_norm_clip=c)
+    for method in methods:
+        got = _updated_weights(model_name, method, x, y, l2_norm_clip=c)
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-7, err_msg=method)
+
+
+def test_measure_reports_a_row():
+    row = benchmark.measure("mlp", "vectorized", 4, steps=2, warmup=1)
+    assert row["median_ms"] > 0 and len(row["step_ms"]) == 2
+    assert row["peak_rss_mb"] > 0
+    assert row["params"] == 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10
+    assert row["paths"] == {"vectorized": 6}
+    assert np.isfinite(row["final_loss"])
+
+
+def test_add_ratios_and_tables():
+    rows = [
+        {"impl": "dpcore", "model": "mlp", "batch_size": 4, "method": "nonprivate"},
+        {"impl": "dpcore", "model": "mlp", "batch_size": 4, "method": "fast"},
+        {"impl": "dpcore", "model": "mlp", "batch_size": 4, "method": "loop"},
+        {"impl": "tf_privacy-0.9.0", "model": "mlp", "batch_size": 4, "method": "nonprivate"},
+        {"impl": "tf_privacy-0.9.0", "model": "mlp", "batch_size": 4, "method": "dpkeras"},
+    ]
+    for r, ms, rss in zip(rows, [10.0, 12.5, 0, 20.0, 400.0], [100.0, 110.0, 0, 200.0, 300.0]):
+        r.update(status="ok", median_ms=ms, peak_rss_mb=rss, step_peak_rss_mb=rss)
+    rows[2].update(status="skipped", median_ms=None, peak_rss_mb=None)
+    benchmark.add_ratios(rows)
+    assert rows[0]["ratio_to_nonprivate"] == 1.0
+    assert rows[1]["ratio_to_nonprivate"] == pytest.approx(1.25)
+    assert rows[1]["step_rss_ratio_to_nonprivate"] == pytest.approx(1.1)
+    assert rows[2]["ratio_to_nonprivate"] is None
+    assert rows[4]["ratio_to_nonprivate"] == pytest.approx(20.0)  # to the peer's own baseline
+    table = benchmark.format_tables(rows)
+    assert "| mlp | 4 | 10.0 | 1.25x | skipped | 20.00x |" in table
+
+
+def test_run_subprocess_reports_timeouts_errors_and_results():
+    py = sys.executable
+    slow = benchmark.run_subprocess(
+        [py, "-c", "import time; time.sleep(30)"], timeout_s=1.0, max_rss_mb=1e6
+    )
+    assert slow["status"] == "timeout"
+    big = benchmark.run_subprocess(
+        [
+            py,
+            "-c",
+            "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+            "time.sleep(30)",
+        ],
+        timeout_s=60.0,
+        max_rss_mb=200.0,
+    )
+    assert big["status"] == "memory_cap"
+    bad = benchmark.run_subprocess(
+        [py, "-c", "raise SystemExit('boom')"], timeout_s=30, max_rss_mb=1e6
+    )
+    assert bad["status"] == "error" and "boom" in bad["note"]
+    good = benchmark.run_subprocess(
+        [
+            py,
+            "-c",
+            f"print('noise'); print({benchmark.RESULT_PREFIX!r} + '{{\"status\": \"ok\"}}')",
+        ],
+        timeout_s=30,
+        max_rss_mb=1e6,
+    )
+    assert good["status"] == "ok" and "wall_s" in good
+
+
+@pytest.mark.slow
+def test_benchmark_binary_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "experiments", "benchmark.py"),
+        "--models=mlp",
+        "--methods=nonprivate,jacobian",
+        "--batch_sizes=8",
+        "--slow_max_batch=4",
+        "--steps=2",
+        "--warmup=1",
+        f"--json={out}",
+        f"--markdown={md}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["nonprivate", "jacobian"]
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+    assert rows[0]["status"] == "ok" and rows[0]["ratio_to_nonprivate"] == 1.0
+    assert rows[1]["status"] == "skipped" and rows[1]["median_ms"] is None
+    assert "| mlp | 8 |" in md.read_text()
+    assert "[2/2]" in proc.stdout  # progress is printed as it goes
+
+
+# ------------------------------------------------------------------------- gradient_stats
+
+
+def test_gradient_stats_match_the_reference():
+    (x, y), _ = _digits_subset()
+    # Step 0 sees the initial weights on the first batch of the seeded order.
+    model = gradient_stats.build_mlp(x.shape[1:], 10, hidden=8, seed=3)
+    idx = np.random.default_rng(3).permutation(len(x))[:8]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    grads = reference_per_example_gradients(model, loss, x[idx], y[idx])
+    flat = np.concatenate([g.reshape(8, -1) for g in grads], axis=1).astype(np.float64)
+    norms = np.linalg.norm(flat, axis=1)
+    mean = flat.mean(axis=0)
+    cosine = flat @ mean / (norms * np.linalg.norm(mean))
+    c = float(np.median(norms))  # about half the examples are clipped
+
+    result = gradient_stats.run(
+        x,
+        y,
+        steps=2,
+        batch_size=8,
+        l2_norm_clip=c,
+        noise_multiplier=1.0,
+        learning_rate=0.5,
+        hidden=8,
+        seed=3,
+    )
+    assert result["check_passed"]
+    assert [r["step"] for r in result["steps"]] == [0, 1]
+    first = result["steps"][0]
+    np.testing.assert_allclose(first["norms"], norms, rtol=1e-5)
+    np.testing.assert_allclose(first["cosine"], cosine, rtol=1e-4, atol=1e-6)
+    assert first["fraction_clipped"] == np.mean(norms > c)
+    assert 0.0 < first["fraction_clipped"] < 1.0
+    # The DP step changed the weights between the two steps.
+    assert result["steps"][1]["norms"] != result["steps"][0]["norms"]
+
+
+def test_gradient_stats_check_can_fail():
+    rng = np.random.default_rng(0)
+    per_example = [rng.normal(size=(5, 3, 2)), rng.normal(size=(5, 2))]
+    batch = [g.mean(axis=0) for g in per_example]
+    ok = gradient_stats.step_stats(per_example, batch, l2_norm_clip=1.0, rtol=1e-5, atol=1e-7)
+    assert ok["mean_equals_batch"]
+    batch[1] = batch[1] + 1e-3
+    bad = gradient_stats.step_stats(per_example, batch, l2_norm_clip=1.0, rtol=1e-5, atol=1e-7)
+    assert not bad["mean_equals_batch"]
+    assert bad["mean_grad_max_abs_diff"] == pytest.approx(1e-3)
+
+
+@pytest.mark.slow
+def test_gradient_stats_binary_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "stats.json", tmp_path / "stats.png"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "experiments", "gradient_stats.py"),
+        "--steps=2",
+        "--batch_size=16",
+        f"--json={out}",
+        f"--png={png}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["dataset"] == "digits" and result["check_passed"]
+    assert len(result["steps"]) == 2 and len(result["steps"][0]["norms"]) == 16
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step" in proc.stdout and "yes" in proc.stdout
+
+
+def _digits_subset():
+    from dpcore import data
+
+    (x, y), test = data.load_digits()
+    return (x[:200], y[:200]), test
