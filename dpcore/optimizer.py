@@ -1,0 +1,580 @@
+"""DPOptimizer: DP-SGD noise and gradient accumulation around any Keras 3 optimizer.
+
+Contract:
+- :class:`DPOptimizer` wraps an inner Keras optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...),
+  the way ``keras.optimizers.LossScaleOptimizer`` does: Keras saving, ``tf.train.Checkpoint`` and
+  ``model.compile`` see one optimizer whose variables are its own plus the inner one's.
+- It only ever applies privatized gradients. :meth:`DPOptimizer.apply_clipped_sum` takes a
+  :class:`~dpcore.aggregation.ClippedSum`, accumulates it, and at the end of each logical step
+  adds Gaussian noise once (:func:`dpcore.aggregation.privatize`: std ``noise_multiplier * C`` on
+  the sum, then division by ``expected_batch_size``) and hands the result to the inner optimizer.
+  ``apply`` / ``apply_gradients`` on raw gradients refuse: those gradients are not clipped.
+- Noise state is optimizer state: ``noise_seed`` (int64 ``[2]``, from OS entropy unless a fixed
+  ``seed`` is given) and ``dp_steps`` (int64, logical steps applied). Step ``t`` draws its noise
+  from ``fold_in(noise_seed, t)``, so a checkpoint restored into a fresh optimizer draws exactly the
+  noise the original would have drawn next and never one it already used.
+- A logical step ends every ``accumulation_steps`` calls, or when the caller's ``step_end`` is True
+  (the Poisson sampler marks the last chunk of a step). The decision is a ``tf.cond``: a compiled
+  training step traces once.
+- :func:`dp_step` / :func:`dp_train_step` are the custom-training-loop entry: per-example
+  gradients (:func:`dpcore.engine.summarize`), clipping (:func:`dpcore.aggregation.clip`) and the
+  optimizer update in one call, meant to run inside the user's ``tf.function``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from dpcore import aggregation, engine
+from dpcore.aggregation import ClippedSum
+
+__all__ = ["DPOptimizer", "DPStepResult", "dp_step", "dp_train_step"]
+
+# Base-optimizer arguments that belong on the inner optimizer, with their neutral values.
+_BASE_ARGS = {
+    "learning_rate": None,
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _entropy_seed() -> list[int]:
+    return [int.from_bytes(os.urandom(8), "little", signed=True) for _ in range(2)]
+
+
+def _normalize_seed(seed: int | Sequence[int] | None) -> list[int] | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool):
+        raise TypeError(f"seed must be an int or a pair of ints, got {seed!r}.")
+    if isinstance(seed, int):
+        return [0, int(seed)]
+    seed = [int(s) for s in seed]
+    if len(seed) != 2:
+        raise ValueError(f"seed must be an int or a pair of ints, got {seed!r}.")
+    return seed
+
+
+def _check_inner(inner: Any) -> keras.optimizers.Optimizer:
+    if isinstance(inner, str):
+        inner = keras.optimizers.get(inner)
+    if isinstance(inner, DPOptimizer):
+        raise ValueError(
+            "inner_optimizer is already a DPOptimizer: wrapping it again would add noise twice. "
+            "Pass the plain Keras optimizer."
+        )
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "inner_optimizer is a LossScaleOptimizer: dynamic loss scaling skips steps and rescales "
+            "gradients after noise, which dpcore does not support. Pass the plain optimizer "
+            "(model.compile(auto_scale_loss=False) for mixed precision); dpcore computes "
+            "per-example losses without loss scaling."
+        )
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"inner_optimizer must be a keras.optimizers.Optimizer (or its name), got {inner!r}."
+        )
+    if inner.gradient_accumulation_steps:
+        raise ValueError(
+            f"inner_optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}: "
+            "it would average separately noised micro-steps, so the noise per applied update and "
+            "the privacy accounting would no longer match. Remove it from the inner optimizer and "
+            f"pass DPOptimizer(..., accumulation_steps={inner.gradient_accumulation_steps}), which "
+            "sums the clipped micro-batches and adds noise once per logical step."
+        )
+    if inner.loss_scale_factor is not None:
+        raise ValueError(
+            f"inner_optimizer has loss_scale_factor={inner.loss_scale_factor}: it would divide the "
+            "privatized gradient by that factor although dpcore never scales the loss. Remove it."
+        )
+    for arg in ("clipnorm", "global_clipnorm", "clipvalue"):
+        value = getattr(inner, arg, None)
+        if value:
+            warnings.warn(
+                f"inner_optimizer has {arg}={value}: it is applied to the already noised "
+                "gradient, which is harmless for privacy (post-processing) but is not the DP "
+                "clipping; per-example clipping is DPOptimizer(l2_norm_clip=...).",
+                UserWarning,
+                stacklevel=3,
+            )
+    return inner
+
+
+@keras.saving.register_keras_serializable(package="dpcore")
+class DPOptimizer(keras.optimizers.Optimizer):
+    """Differentially private wrapper around any Keras 3 optimizer.
+
+    Example (custom loop)::
+
+        opt = dpcore.DPOptimizer(keras.optimizers.Adam(1e-3), l2_norm_clip=1.0,
+                                 noise_multiplier=1.1, expected_batch_size=256)
+
+        @tf.function
+        def step(x, y, mask, step_end):
+            return dpcore.dp_train_step(model, loss, x, y, optimizer=opt, mask=mask,
+                                        step_end=step_end)
+
+    Args:
+      inner_optimizer: the Keras optimizer that applies the privatized gradient (or its name).
+        Its ``gradient_accumulation_steps`` and ``loss_scale_factor`` must be unset.
+      l2_norm_clip: per-example clipping bound C (> 0), or one bound per variable group.
+      noise_multiplier: σ (>= 0); the noise std on the clipped sum is ``σ * C``.
+      expected_batch_size: the divisor of the noised sum (> 0): ``sampling_prob * num_examples``
+        under Poisson sampling, the batch size (times ``accumulation_steps``) otherwise.
+      accumulation_steps: micro-steps per logical step when the caller gives no ``step_end``.
+      seed: None (default) seeds the noise from OS entropy. An int or a pair of ints fixes it:
+        for tests and reproducibility only.
+      variable_groups: with a list of bounds, the group index of each trainable variable.
+      name: optimizer name.
+
+    Privacy:
+      Each logical step releases ``sum_i clip(g_i) + N(0, (σ C)^2 I)`` divided by a constant: the
+      Gaussian mechanism with sensitivity C under add/remove-one adjacency, provided the
+      micro-batches of one logical step are disjoint (each example in at most one of them).
+      Everything the inner optimizer does afterwards (momentum, weight decay, clipnorm, EMA) is
+      post-processing.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Any,
+        *,
+        l2_norm_clip: float | Sequence[float],
+        noise_multiplier: float,
+        expected_batch_size: float,
+        accumulation_steps: int = 1,
+        seed: int | Sequence[int] | None = None,
+        variable_groups: Sequence[int] | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for arg, neutral in _BASE_ARGS.items():
+            if arg in kwargs:
+                value = kwargs.pop(arg)
+                if value != neutral and not (arg == "learning_rate" and value == 0.0):
+                    raise ValueError(
+                        f"DPOptimizer does not take {arg}={value!r}: set it on the inner "
+                        f"optimizer, e.g. keras.optimizers.SGD(..., {arg}={value!r})."
+                    )
+        if kwargs:
+            raise TypeError(f"DPOptimizer got unexpected arguments: {sorted(kwargs)}.")
+        inner_optimizer = _check_inner(inner_optimizer)
+        aggregation.check_privacy_args(
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+        )
+        if isinstance(accumulation_steps, bool) or int(accumulation_steps) != accumulation_steps:
+            raise ValueError(
+                f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}."
+            )
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        if isinstance(l2_norm_clip, (list, tuple)):
+            self.l2_norm_clip: float | tuple[float, ...] = tuple(float(c) for c in l2_norm_clip)
+        else:
+            self.l2_norm_clip = float(l2_norm_clip)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = float(expected_batch_size)
+        self.accumulation_steps = int(accumulation_steps)
+        self.variable_groups = None if variable_groups is None else tuple(variable_groups)
+        self._seed_arg = _normalize_seed(seed)
+        initial_seed = self._seed_arg if self._seed_arg is not None else _entropy_seed()
+        self.noise_seed = self.add_variable(
+            shape=(2,),
+            dtype="int64",
+            initializer=lambda shape, dtype=None: tf.constant(initial_seed, tf.int64),
+            name="noise_seed",
+        )
+        self.dp_steps = self.add_variable(shape=(), dtype="int64", name="dp_steps")
+        self.micro_steps = self.add_variable(shape=(), dtype="int64", name="micro_steps")
+        self._accumulators: list[Any] = []
+
+    # ----------------------------------------------------------------------------- state
+    def build(self, var_list: Sequence[Any]) -> None:
+        """Creates one accumulator per variable and builds the inner optimizer."""
+        if self.built:
+            return
+        var_list = list(var_list)
+        if not var_list:
+            raise ValueError(
+                "DPOptimizer.build got no variables: the model has no trainable variables."
+            )
+        accumulators = [
+            self.add_variable_from_reference(v, name="dp_accumulator") for v in var_list
+        ]
+        self._accumulators = accumulators
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self) -> list[Any]:
+        return self._variables[:] + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self) -> Any:
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        self.inner_optimizer.learning_rate = value
+
+    @property
+    def iterations(self) -> Any:
+        """The inner optimizer's update count (one per applied logical step)."""
+        return self.inner_optimizer.iterations
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def scale_loss(self, loss: Any) -> Any:
+        return loss
+
+    # ----------------------------------------------------------------------------- updates
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Refuses raw gradients: they are neither clipped per example nor noised."""
+        raise ValueError(
+            "DPOptimizer cannot apply raw gradients (they are not clipped per example, so no "
+            "privacy guarantee holds). In a custom loop call dpcore.dp_train_step(model, loss, x, "
+            "y, optimizer=...); with model.fit use dpcore.make_private(model, optimizer=..., "
+            "loss=...). Lower level: DPOptimizer.apply_clipped_sum(dpcore.aggregation.clip(...))."
+        )
+
+    def apply_gradients(self, grads_and_vars: Any) -> None:
+        """Refuses raw gradients; see :meth:`apply`."""
+        self.apply(None)
+
+    def step_seed(self) -> tf.Tensor:
+        """The ``[2]`` int64 seed of the current logical step's noise."""
+        return tf.random.experimental.stateless_fold_in(
+            tf.convert_to_tensor(self.noise_seed), tf.convert_to_tensor(self.dp_steps)
+        )
+
+    def apply_clipped_sum(
+        self,
+        clipped: ClippedSum,
+        variables: Sequence[Any] | None = None,
+        *,
+        step_end: Any = None,
+    ) -> None:
+        """Accumulates a clipped sum; at the end of a logical step noises it once and applies it.
+
+        Args:
+          clipped: the clipped per-example gradient sum of one (micro-)batch.
+          variables: the variables ``clipped.grads`` belong to (default: those the optimizer was
+            built with). The first call builds the optimizer on them.
+          step_end: None (a logical step ends every ``accumulation_steps`` calls) or a bool
+            (tensor) that is True on the last micro-batch of a logical step.
+
+        Raises:
+          ValueError: for mismatched gradients/variables or a sensitivity that changes between
+            micro-steps.
+          NotImplementedError: under a multi-replica ``tf.distribute`` strategy.
+
+        Privacy:
+          Noise ``N(0, (σ · clipped.l2_sensitivity)^2)`` is added once to the summed micro-batches
+          of a logical step, then divided by ``expected_batch_size``. Micro-batches of one logical
+          step must be disjoint.
+        """
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync > 1:
+            raise NotImplementedError(
+                "DPOptimizer does not yet support multi-replica tf.distribute strategies: the "
+                "inner optimizer would all-reduce separately noised gradients. Train on one "
+                "replica."
+            )
+        if variables is None:
+            if not self.built:
+                raise ValueError(
+                    "DPOptimizer.apply_clipped_sum needs `variables` on its first call (or call "
+                    "optimizer.build(model.trainable_variables) first)."
+                )
+            variables = list(self._trainable_variables)
+        variables = list(variables)
+        if not self.built:
+            self.build(variables)
+        self._check_variables_are_known(variables)
+        grads = list(clipped.grads)
+        if len(grads) != len(variables):
+            raise ValueError(
+                f"clipped.grads has {len(grads)} tensors but {len(variables)} variables were given."
+            )
+        for g, v in zip(grads, variables):
+            if g is None or tuple(g.shape) != tuple(v.shape):
+                raise ValueError(
+                    f"clipped gradient of shape {None if g is None else tuple(g.shape)} does not "
+                    f"match variable {getattr(v, 'path', v.name)} of shape {tuple(v.shape)}."
+                )
+        known = getattr(self, "_sensitivity", None)
+        if known is not None and known != clipped.l2_sensitivity:
+            raise ValueError(
+                f"clipped.l2_sensitivity={clipped.l2_sensitivity} differs from the "
+                f"{known} of earlier steps: every step of one optimizer must use the same bound."
+            )
+        self._sensitivity = clipped.l2_sensitivity
+        # Nothing non-finite may reach the accumulators or the weights: CheckNumerics gates every
+        # downstream op, so a bad batch fails the step before any variable changes.
+        grads = [
+            tf.debugging.check_numerics(
+                tf.convert_to_tensor(g),
+                "dpcore: the clipped gradient sum is not finite (NaN/Inf in the batch, or a "
+                "per-example loss that is not finite); the step was not applied. Check the data or "
+                "pass nonfinite='skip'",
+            )
+            for g in grads
+        ]
+
+        if step_end is not None:
+            step_end = tf.cast(step_end, tf.bool)
+            if step_end.shape.rank != 0:
+                raise ValueError(
+                    "step_end must be a bool scalar (True on the last chunk of a logical step), "
+                    f"got shape {step_end.shape}."
+                )
+        # Counters and accumulators change only once the checked gradients exist.
+        with tf.control_dependencies(grads):
+            self._update(clipped, grads, variables, step_end)
+
+    def _update(
+        self,
+        clipped: ClippedSum,
+        grads: Sequence[tf.Tensor],
+        variables: Sequence[Any],
+        step_end: tf.Tensor | None,
+    ) -> None:
+        if step_end is None and self.accumulation_steps == 1:
+            self._finish(clipped, grads, variables, accumulators=None)
+            return
+        accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        totals = [
+            tf.convert_to_tensor(a) + tf.cast(g, a.dtype) for a, g in zip(accumulators, grads)
+        ]
+        if step_end is None:
+            end = tf.equal(tf.convert_to_tensor(self.micro_steps) + 1, self.accumulation_steps)
+        else:
+            end = step_end
+
+        def finish() -> None:
+            self._finish(clipped, totals, variables, accumulators=accumulators)
+
+        def accumulate() -> None:
+            for a, t in zip(accumulators, totals):
+                a.assign(t)
+            self.micro_steps.assign_add(1)
+
+        tf.cond(end, finish, accumulate)
+
+    def _finish(
+        self,
+        clipped: ClippedSum,
+        totals: Sequence[tf.Tensor],
+        variables: Sequence[Any],
+        *,
+        accumulators: Sequence[Any] | None,
+    ) -> None:
+        summed = dataclasses.replace(clipped, grads=tuple(tf.cast(t, tf.float32) for t in totals))
+        noised = aggregation.privatize(
+            summed,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=self.expected_batch_size,
+            seed=self.step_seed(),
+        )
+        noised = [tf.cast(n, v.dtype) for n, v in zip(noised, variables)]
+        self.inner_optimizer.apply(noised, variables)
+        if accumulators is not None:
+            for a in accumulators:
+                a.assign(tf.zeros(a.shape, a.dtype))
+            self.micro_steps.assign(0)
+        self.dp_steps.assign_add(1)
+
+    # ----------------------------------------------------------------------------- config
+    def get_config(self) -> dict[str, Any]:
+        clip = self.l2_norm_clip
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "l2_norm_clip": list(clip) if isinstance(clip, tuple) else clip,
+            "noise_multiplier": self.noise_multiplier,
+            "expected_batch_size": self.expected_batch_size,
+            "accumulation_steps": self.accumulation_steps,
+            "seed": self._seed_arg,
+            "variable_groups": None if self.variable_groups is None else list(self.variable_groups),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DPOptimizer:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPStepResult:
+    """What one DP step computed (all non-private diagnostics of the batch).
+
+    Attributes:
+      loss: mean per-example loss over the real (unmasked) examples, before the update.
+      per_example_loss: ``[B]``, zero where masked.
+      y_pred: the model's output on the batch.
+      mask: ``[B]`` float32, 0 for padding or skipped examples.
+      num_examples: realized number of real examples.
+      per_example_norms: ``[B]`` unclipped gradient norms (zero where masked).
+      input_gradients: per-example gradients w.r.t. the inputs, or None.
+    """
+
+    loss: tf.Tensor
+    per_example_loss: tf.Tensor
+    y_pred: Any
+    mask: tf.Tensor
+    num_examples: tf.Tensor
+    per_example_norms: tf.Tensor
+    input_gradients: Any = None
+
+
+def dp_step(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    optimizer: DPOptimizer,
+    sample_weight: Any = None,
+    mask: Any = None,
+    step_end: Any = None,
+    wrt_inputs: bool = False,
+    method: str = "auto",
+    training: bool = True,
+    chunk_size: int | None = None,
+    nonfinite: str = "raise",
+) -> DPStepResult:
+    """One DP-SGD (micro-)step: per-example gradients, clipping, noise, update.
+
+    Same arguments as :func:`dp_train_step`; returns a :class:`DPStepResult`.
+
+    Privacy:
+      Only the model update is privatized. Everything in the returned result (loss, predictions,
+      norms, input gradients) is computed from the raw batch and is not private.
+    """
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"optimizer must be a dpcore.DPOptimizer, got {type(optimizer).__name__}: wrap it, "
+            "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
+            "noise_multiplier=..., expected_batch_size=...)."
+        )
+    variables = list(model.trainable_variables)
+    if not variables:
+        raise ValueError(
+            f"model {getattr(model, 'name', model)!r} has no trainable variables: nothing to train."
+        )
+    summary = engine.summarize(
+        model,
+        loss,
+        x,
+        y,
+        sample_weight=sample_weight,
+        mask=mask,
+        variables=variables,
+        method=method,
+        training=training,
+        chunk_size=chunk_size,
+        wrt_inputs=wrt_inputs,
+        nonfinite=nonfinite,
+    )
+    clipped = aggregation.clip(
+        summary, l2_norm_clip=optimizer.l2_norm_clip, variable_groups=optimizer.variable_groups
+    )
+    optimizer.apply_clipped_sum(clipped, summary.variables, step_end=step_end)
+    num = tf.reduce_sum(summary.mask)
+    mean_loss = tf.reduce_sum(tf.cast(summary.per_example_loss, tf.float32)) / tf.maximum(num, 1.0)
+    return DPStepResult(
+        loss=mean_loss,
+        per_example_loss=summary.per_example_loss,
+        y_pred=summary.y_pred,
+        mask=summary.mask,
+        num_examples=num,
+        per_example_norms=clipped.per_example_norms,
+        input_gradients=summary.input_gradients,
+    )
+
+
+def dp_train_step(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    optimizer: DPOptimizer,
+    sample_weight: Any = None,
+    mask: Any = None,
+    step_end: Any = None,
+    wrt_inputs: bool = False,
+    method: str = "auto",
+    training: bool = True,
+    chunk_size: int | None = None,
+    nonfinite: str = "raise",
+) -> Any:
+    """The custom-training-loop DP step; call it inside your ``tf.function``.
+
+    Computes per-example gradients of ``loss`` (one compiled program, no retrace per step), clips
+    each to ``optimizer.l2_norm_clip``, and lets ``optimizer`` accumulate, noise and apply them.
+
+    Args:
+      model: a built Keras model.
+      loss: a per-example loss (``reduction=None``, shape ``[B]``) or a Keras loss/name.
+      x: inputs with a leading batch axis.
+      y: labels.
+      optimizer: the :class:`DPOptimizer`.
+      sample_weight: optional ``[B]`` loss weights.
+      mask: optional ``[B]``; 0 marks padding (the sampler's mask). An all-masked or empty batch is
+        a valid step: noise only.
+      step_end: optional bool: True on the last chunk of a logical step (the sampler's flag).
+      wrt_inputs: also return per-example gradients w.r.t. the inputs.
+      method: engine path, ``"auto"``, ``"fast"`` or ``"vectorized"``.
+      training: passed to the model call.
+      chunk_size: vectorized path only: bound memory by processing this many examples at a time.
+      nonfinite: ``"raise"`` fails on NaN/Inf in inputs or labels; ``"skip"`` drops such examples.
+
+    Returns:
+      The mean per-example loss of the real examples, or ``(loss, input_gradients)`` with
+      ``wrt_inputs=True``.
+
+    Privacy:
+      The model update is (σ, C)-Gaussian-privatized per logical step. The returned loss and input
+      gradients come from the raw batch and are not private: do not release them.
+    """
+    result = dp_step(
+        model,
+        loss,
+        x,
+        y,
+        optimizer=optimizer,
+        sample_weight=sample_weight,
+        mask=mask,
+        step_end=step_end,
+        wrt_inputs=wrt_inputs,
+        method=method,
+        training=training,
+        chunk_size=chunk_size,
+        nonfinite=nonfinite,
+    )
+    if wrt_inputs:
+        return result.loss, result.input_gradients
+    return result.loss

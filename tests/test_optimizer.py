@@ -1,0 +1,462 @@
+"""DPOptimizer and the custom-loop DP step, checked against plain Keras steps and references."""
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpcore import aggregation
+from dpcore.optimizer import DPOptimizer, dp_step, dp_train_step
+from dpcore.testing import (
+    reference_clipped_mean,
+    reference_input_gradients,
+    reference_per_example_gradients,
+)
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def small_mlp(d=5, hidden=6, classes=3, seed=0):
+    init = keras.initializers.GlorotUniform(seed=seed)
+    return keras.Sequential(
+        [
+            keras.Input((d,)),
+            keras.layers.Dense(hidden, activation="tanh", kernel_initializer=init),
+            keras.layers.Dense(classes, kernel_initializer=init),
+        ]
+    )
+
+
+def batch(rng, b=6, d=5, classes=3, scale=1.0):
+    x = (scale * rng.normal(size=(b, d))).astype("float32")
+    return x, rng.integers(0, classes, b).astype("int32")
+
+
+def weights(model):
+    return [v.numpy().copy() for v in model.trainable_variables]
+
+
+def make_opt(inner=None, **kw):
+    kw.setdefault("l2_norm_clip", 1.0)
+    kw.setdefault("noise_multiplier", 0.0)
+    kw.setdefault("expected_batch_size", 6)
+    return DPOptimizer(inner or keras.optimizers.SGD(1.0), **kw)
+
+
+def step_fn(model, opt, **kw):
+    @tf.function
+    def step(x, y, mask=None, step_end=None):
+        return dp_train_step(model, LOSS, x, y, optimizer=opt, mask=mask, step_end=step_end, **kw)
+
+    return step
+
+
+# ----------------------------------------------------------------------------- argument checks
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"l2_norm_clip": 0.0}, "l2_norm_clip"),
+        ({"l2_norm_clip": -1.0}, "l2_norm_clip"),
+        ({"noise_multiplier": -0.5}, "noise_multiplier"),
+        ({"expected_batch_size": 0}, "expected_batch_size"),
+        ({"accumulation_steps": 0}, "accumulation_steps"),
+    ],
+)
+def test_bad_privacy_args_name_argument_and_value(kw, name):
+    with pytest.raises(ValueError, match=name) as err:
+        make_opt(**kw)
+    assert repr(list(kw.values())[0]) in str(err.value) or str(list(kw.values())[0]) in str(
+        err.value
+    )
+
+
+def test_refuses_inner_gradient_accumulation_and_says_what_to_do():
+    inner = keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match=r"accumulation_steps=4"):
+        make_opt(inner)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda: keras.optimizers.SGD(0.1, loss_scale_factor=128.0),
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+        lambda: make_opt(),
+    ],
+)
+def test_refuses_inner_settings_that_rescale_or_double_noise(inner):
+    with pytest.raises(ValueError):
+        make_opt(inner())
+
+
+def test_base_arguments_belong_on_inner_optimizer():
+    with pytest.raises(ValueError, match="clipnorm"):
+        make_opt(clipnorm=1.0)
+
+
+def test_inner_clipnorm_warns_but_is_accepted():
+    with pytest.warns(UserWarning, match="post-processing"):
+        make_opt(keras.optimizers.SGD(0.1, clipnorm=1.0))
+
+
+def test_raw_gradients_are_refused(rng):
+    model = small_mlp()
+    opt = make_opt()
+    grads = [tf.zeros_like(v) for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="dp_train_step"):
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    with pytest.raises(ValueError, match="make_private"):
+        opt.apply(grads, model.trainable_variables)
+
+
+def test_step_input_errors_before_any_update(rng):
+    model = small_mlp()
+    opt = make_opt()
+    w0 = weights(model)
+    x, y = batch(rng)
+    with pytest.raises(ValueError, match="scalar"):
+        dp_train_step(model, lambda yt, yp: tf.reduce_mean(yp), x, y, optimizer=opt)
+    with pytest.raises(ValueError, match="batch size"):
+        dp_train_step(model, LOSS, x, y[:4], optimizer=opt)
+    with pytest.raises(TypeError, match="DPOptimizer"):
+        dp_train_step(model, LOSS, x, y, optimizer=keras.optimizers.SGD(0.1))
+    frozen = small_mlp()
+    frozen.trainable = False
+    with pytest.raises(ValueError, match="no trainable variables"):
+        dp_train_step(frozen, LOSS, x, y, optimizer=opt)
+    with pytest.raises(ValueError, match="step_end"):
+        dp_train_step(model, LOSS, x, y, optimizer=opt, step_end=np.ones(6, bool))
+    for w, v in zip(w0, model.trainable_variables):
+        np.testing.assert_array_equal(w, v.numpy())
+    assert int(opt.dp_steps) == 0
+
+
+def test_nonfinite_inputs_raise_before_any_update(rng):
+    x, y = batch(rng)
+    x[2, 1] = np.nan
+    model = small_mlp()
+    opt = make_opt()
+    w0 = weights(model)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN"):
+        dp_train_step(model, LOSS, x, y, optimizer=opt)  # eager: compiled error paths are slow
+    for w, v in zip(w0, model.trainable_variables):
+        np.testing.assert_array_equal(w, v.numpy())
+    assert int(opt.dp_steps) == 0
+
+
+@pytest.mark.slow  # graph optimization of the skip path takes ~20 s on 2 cores
+def test_nonfinite_skip_equals_masking_the_example(rng):
+    x, y = batch(rng)
+    x[2, 1] = np.nan
+    skip_model, mask_model = small_mlp(), small_mlp()
+    step_fn(skip_model, make_opt(seed=1), nonfinite="skip")(x, y)
+    mask = np.ones(6, "float32")
+    mask[2] = 0
+    x_clean = np.nan_to_num(x)
+    step_fn(mask_model, make_opt(seed=1))(x_clean, y, mask=mask)
+    for a, b in zip(weights(skip_model), weights(mask_model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert np.all(np.isfinite(a))
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        lambda: keras.optimizers.Adam(0.01),
+        lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+        lambda: keras.optimizers.RMSprop(0.01),
+    ],
+)
+def test_noise0_clip_inf_equals_plain_keras_step(rng, make_inner):
+    dp_model, plain_model = small_mlp(), small_mlp()
+    opt = DPOptimizer(
+        make_inner(), l2_norm_clip=math.inf, noise_multiplier=0.0, expected_batch_size=6
+    )
+    plain_opt = make_inner()
+    step = step_fn(dp_model, opt)
+
+    @tf.function
+    def plain_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, plain_model(x, training=True))
+        grads = tape.gradient(loss, plain_model.trainable_variables)
+        plain_opt.apply_gradients(zip(grads, plain_model.trainable_variables))
+        return loss
+
+    for _ in range(3):
+        x, y = batch(rng)
+        loss_dp = step(x, y)
+        loss_plain = plain_step(x, y)
+        np.testing.assert_allclose(loss_dp, loss_plain, rtol=1e-5)
+    for a, b in zip(weights(dp_model), weights(plain_model)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert int(opt.dp_steps) == 3 and int(opt.iterations) == 3
+
+
+def test_noise0_finite_clip_equals_reference_clipped_mean(rng):
+    model = small_mlp()
+    x, y = batch(rng, b=6, scale=4.0)
+    sw = np.array([1.0, 0.5, 2.0, 1.0, 1.0, 3.0], "float32")
+    mask = np.array([1, 1, 1, 0, 1, 1], "float32")
+    ref = reference_per_example_gradients(
+        model, LOSS, x, y, sample_weight=sw, mask=mask, training=True
+    )
+    c, ebs = 0.3, 10.0
+    expected = reference_clipped_mean(ref, l2_norm_clip=c, expected_batch_size=ebs)
+    w0 = weights(model)
+    opt = make_opt(l2_norm_clip=c, expected_batch_size=ebs)  # SGD(lr=1): delta = -grad
+    result = dp_step(model, LOSS, x, y, optimizer=opt, sample_weight=sw, mask=mask)
+    for w, v, e in zip(w0, model.trainable_variables, expected):
+        np.testing.assert_allclose(w - v.numpy(), e, rtol=1e-4, atol=1e-6)
+    norms = np.sqrt(sum(np.sum(g.reshape(6, -1) ** 2, axis=1) for g in ref))
+    np.testing.assert_allclose(result.per_example_norms, norms, rtol=1e-4, atol=1e-6)
+    assert (norms[mask > 0] > c).sum() >= 3  # the test actually clips
+
+
+def test_clipped_update_never_exceeds_clip(rng):
+    c = 0.25
+    model = small_mlp()
+    opt = make_opt(l2_norm_clip=c, expected_batch_size=1.0)
+    step = step_fn(model, opt)
+    clipped = 0
+    for _ in range(6):
+        x, y = batch(rng, b=1, scale=5.0)
+        raw = reference_per_example_gradients(model, LOSS, x, y, training=True)
+        raw_norm = math.sqrt(sum(float(np.sum(g**2)) for g in raw))
+        before = weights(model)
+        step(x, y)
+        delta = math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(before, weights(model))))
+        assert delta <= c * (1 + 1e-5)
+        np.testing.assert_allclose(delta, min(raw_norm, c), rtol=1e-4)
+        clipped += raw_norm > c
+    assert clipped >= 3
+
+
+def test_input_gradients_match_reference(rng):
+    model = small_mlp()
+    x, y = batch(rng)
+    ref = reference_input_gradients(model, LOSS, x, y, training=True)
+    loss, in_grads = dp_train_step(model, LOSS, x, y, optimizer=make_opt(), wrt_inputs=True)
+    np.testing.assert_allclose(in_grads, ref, rtol=1e-4, atol=1e-6)
+    assert loss.shape == ()
+
+
+# ----------------------------------------------------------------------------- noise
+def noise_only_delta(opt, model, step_end=None, b=4):
+    """One step on an all-padding batch: the update is -lr * noise / expected_batch_size."""
+    x = np.ones((b, model.input_shape[-1]), "float32")
+    y = np.zeros(b, "int32")
+    before = weights(model)
+    dp_train_step(model, LOSS, x, y, optimizer=opt, mask=np.zeros(b, "float32"), step_end=step_end)
+    return np.concatenate(
+        [(a - v.numpy()).ravel() for a, v in zip(before, model.trainable_variables)]
+    )
+
+
+def wide_model():
+    init = keras.initializers.GlorotUniform(seed=0)
+    return keras.Sequential([keras.Input((100,)), keras.layers.Dense(40, kernel_initializer=init)])
+
+
+def test_noise_std_matches_sigma_c_over_expected_batch_size():
+    sigma, c, ebs = 1.3, 0.7, 5.0
+    model = wide_model()
+    opt = make_opt(l2_norm_clip=c, noise_multiplier=sigma, expected_batch_size=ebs, seed=11)
+    delta = noise_only_delta(opt, model)
+    n = delta.size
+    target = sigma * c / ebs
+    assert abs(delta.std() - target) < 4 * target / math.sqrt(2 * n)
+    assert abs(delta.mean()) < 4 * target / math.sqrt(n)
+    assert int(opt.dp_steps) == 1  # an all-padding batch is a valid step
+
+
+def test_empty_batch_is_a_noise_only_step():
+    model = small_mlp()
+    opt = make_opt(noise_multiplier=1.0, seed=5)
+    before = weights(model)
+    loss = dp_train_step(
+        model, LOSS, np.zeros((0, 5), "float32"), np.zeros((0,), "int32"), optimizer=opt
+    )
+    assert float(loss) == 0.0 and int(opt.dp_steps) == 1
+    assert any(np.any(a != v.numpy()) for a, v in zip(before, model.trainable_variables))
+
+
+def test_steps_draw_fresh_noise_and_seed_reproduces():
+    model = wide_model()
+    opt = make_opt(noise_multiplier=1.0, seed=123)
+    d1, d2 = noise_only_delta(opt, model), noise_only_delta(opt, model)
+    assert abs(np.corrcoef(d1, d2)[0, 1]) < 0.1
+    again = make_opt(noise_multiplier=1.0, seed=123)
+    m2 = wide_model()
+    np.testing.assert_array_equal(noise_only_delta(again, m2), d1)
+    np.testing.assert_array_equal(noise_only_delta(again, m2), d2)
+    other = noise_only_delta(make_opt(noise_multiplier=1.0, seed=124), wide_model())
+    assert not np.allclose(other, d1)
+
+
+def test_default_seed_comes_from_os_entropy():
+    a, b = make_opt(noise_multiplier=1.0), make_opt(noise_multiplier=1.0)
+    assert not np.array_equal(a.noise_seed.numpy(), b.noise_seed.numpy())
+    assert a.get_config()["seed"] is None
+
+
+# ----------------------------------------------------------------------------- accumulation
+@pytest.mark.parametrize("use_step_end", [False, True])
+def test_accumulation_equals_one_step_on_concatenated_batch(rng, use_step_end):
+    k, c = 3, 0.5
+    x, y = batch(rng, b=9, scale=3.0)
+    acc_model, big_model = small_mlp(), small_mlp()
+    acc_opt = make_opt(
+        keras.optimizers.Adam(0.05),
+        l2_norm_clip=c,
+        expected_batch_size=9,
+        accumulation_steps=1 if use_step_end else k,
+    )
+    big_opt = make_opt(keras.optimizers.Adam(0.05), l2_norm_clip=c, expected_batch_size=9)
+    step = step_fn(acc_model, acc_opt)
+    w0 = weights(acc_model)
+    for i in range(k):
+        sl = slice(3 * i, 3 * i + 3)
+        step_end = tf.constant(i == k - 1) if use_step_end else None
+        step(x[sl], y[sl], step_end=step_end)
+        if i < k - 1:  # nothing applied mid-step
+            for a, v in zip(w0, acc_model.trainable_variables):
+                np.testing.assert_array_equal(a, v.numpy())
+            assert int(acc_opt.dp_steps) == 0 and int(acc_opt.micro_steps) == i + 1
+    step_fn(big_model, big_opt)(x, y)
+    for a, b in zip(weights(acc_model), weights(big_model)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(acc_opt.dp_steps) == 1 and int(acc_opt.micro_steps) == 0
+    assert all(np.all(a.numpy() == 0) for a in acc_opt._accumulators)
+
+
+def test_accumulated_step_adds_noise_once():
+    """k noise-only micro-steps draw exactly the single noise draw of one step with that seed."""
+    acc, single = wide_model(), wide_model()
+    acc_opt = make_opt(noise_multiplier=1.0, accumulation_steps=3, seed=9)
+    one_opt = make_opt(noise_multiplier=1.0, seed=9)
+    deltas = [noise_only_delta(acc_opt, acc) for _ in range(3)]
+    assert not deltas[0].any() and not deltas[1].any()
+    np.testing.assert_array_equal(deltas[2], noise_only_delta(one_opt, single))
+
+
+@pytest.mark.parametrize("prebuild", [True, False])
+def test_training_loop_traces_once(rng, prebuild):
+    model = small_mlp()
+    opt = make_opt(noise_multiplier=0.5, accumulation_steps=2, seed=1)
+    if prebuild:  # otherwise tf.function retraces once after the first call creates variables
+        opt.build(model.trainable_variables)
+    traces = []
+
+    @tf.function
+    def step(x, y, mask, step_end):
+        traces.append(1)
+        return dp_train_step(model, LOSS, x, y, optimizer=opt, mask=mask, step_end=step_end)
+
+    for i in range(6):
+        x, y = batch(rng)
+        mask = tf.constant(rng.integers(0, 2, 6).astype("float32"))
+        step(tf.constant(x), tf.constant(y), mask, tf.constant(i % 2 == 1))
+        if i == 0:
+            first = len(traces)
+    assert len(traces) == first  # no retrace after the first step
+    if prebuild:
+        assert first == 1
+    assert int(opt.dp_steps) == 3
+
+
+# ----------------------------------------------------------------------------- state
+def test_get_config_from_config_round_trip():
+    opt = DPOptimizer(
+        keras.optimizers.Adam(0.003, beta_1=0.8),
+        l2_norm_clip=[0.5, 1.5],
+        variable_groups=[0, 1, 0, 1],
+        noise_multiplier=1.1,
+        expected_batch_size=256,
+        accumulation_steps=4,
+        seed=42,
+    )
+    config = opt.get_config()
+    clone = DPOptimizer.from_config(config)
+    assert clone.get_config() == config
+    assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)
+    assert clone.inner_optimizer.beta_1 == 0.8
+    np.testing.assert_array_equal(clone.noise_seed.numpy(), opt.noise_seed.numpy())
+    revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
+    assert isinstance(revived, DPOptimizer) and revived.get_config() == config
+
+
+def test_checkpoint_keeps_noise_state(tmp_path):
+    model = wide_model()
+    opt = make_opt(keras.optimizers.SGD(1.0, momentum=0.5), noise_multiplier=1.0)  # OS entropy
+    earlier = [noise_only_delta(opt, model) for _ in range(2)]
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    original_next = noise_only_delta(opt, model)
+
+    fresh_model = wide_model()
+    fresh = make_opt(keras.optimizers.SGD(1.0, momentum=0.5), noise_multiplier=1.0)
+    fresh.build(fresh_model.trainable_variables)
+    assert not np.array_equal(fresh.noise_seed.numpy(), opt.noise_seed.numpy())
+    tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
+    assert int(fresh.dp_steps) == 2
+    restored_next = noise_only_delta(fresh, fresh_model)
+    np.testing.assert_array_equal(restored_next, original_next)
+    for d in earlier:
+        assert abs(np.corrcoef(d, restored_next)[0, 1]) < 0.5  # momentum carries a bit over
+
+
+def test_per_group_clipping_uses_group_sensitivity():
+    opt = make_opt(l2_norm_clip=[3.0, 4.0], variable_groups=[0, 1], noise_multiplier=1.0, seed=3)
+    model = wide_model()
+    delta = noise_only_delta(opt, model)
+    target = 5.0 / 6.0  # sigma * sqrt(3^2 + 4^2) / expected_batch_size
+    assert abs(delta.std() - target) < 4 * target / math.sqrt(2 * delta.size)
+
+
+def test_apply_clipped_sum_rejects_changed_sensitivity():
+    model = wide_model()
+    opt = make_opt()
+    variables = model.trainable_variables
+    zeros = tuple(tf.zeros_like(v) for v in variables)
+
+    def clipped(s):
+        return aggregation.ClippedSum(zeros, s, tf.constant(0.0), tf.zeros([0]), None, None)
+
+    opt.apply_clipped_sum(clipped(1.0), variables)
+    with pytest.raises(ValueError, match="l2_sensitivity"):
+        opt.apply_clipped_sum(clipped(2.0), variables)
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_nonfinite_clipped_sum_never_reaches_the_weights(accumulation_steps):
+    model = wide_model()
+    opt = make_opt(accumulation_steps=accumulation_steps)
+    variables = model.trainable_variables
+    opt.build(variables)
+    before = weights(model)
+    bad = tuple(tf.fill(v.shape, np.float32(np.nan)) for v in variables)
+
+    @tf.function
+    def apply(grads):
+        opt.apply_clipped_sum(
+            aggregation.ClippedSum(grads, 1.0, tf.constant(1.0), tf.zeros([1]), None, None),
+            variables,
+        )
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not finite"):
+        apply(bad)
+    for a, v in zip(before, variables):
+        np.testing.assert_array_equal(a, v.numpy())
+    assert all(np.all(a.numpy() == 0) for a in opt._accumulators)
+    assert int(opt.dp_steps) == 0 and int(opt.micro_steps) == 0
+
+
+def test_warning_free_default_construction():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_opt(keras.optimizers.Adam())
