@@ -106,7 +106,14 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     g_last = [tf.cast(_channels_last(layer, u.grad), tf.float32) for u in uses]
     g = tf.concat([tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]]) for t in g_last], axis=1)
     path, _ = linear.choose_path(a.shape[1], window * cin_g, cout_g)
-    if groups == 1:
+    kernel = layer.kernel
+    per_example = None
+    if groups == 1 and path == "materialized":
+        # Patch rows are ordered (kernel window, C_in), the kernel's own layout: the [B, D, P]
+        # per-example grads reshape to [B, *kernel.shape] and also give the clipped sum directly.
+        per_example = linear.materialize(a, g)
+        sq = linear.rowwise_sq_norm(per_example)
+    elif groups == 1:
         sq = linear.sq_norm(a, g, path)
     else:
         b = tf.shape(a)[0]
@@ -118,9 +125,11 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
         else:
             sq = linear.rowwise_sq_norm(tf.einsum("btkgc,btgo->bgkco", a5, g4))
-    kernel = layer.kernel
 
     def kernel_sum(w: tf.Tensor) -> tf.Tensor:
+        if per_example is not None:
+            summed = linear.weighted_rows(per_example, w)
+            return tf.cast(tf.reshape(summed, kernel.shape), kernel.dtype)
         k = tf.convert_to_tensor(kernel)
         total = tf.zeros(k.shape, tf.float32)
         for u in uses:

@@ -56,14 +56,20 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     g = tf.concat([linear.as_sequence(u.grad) for u in uses], axis=1)
     d, p = a.shape[-1], g.shape[-1]
     path, _ = linear.choose_path(a.shape[1], d, p)
-    out = [
-        VariableGrad(
-            variable=layer.kernel,
-            sq_norm=linear.sq_norm(a, g, path),
-            weighted_sum=lambda w: tf.cast(linear.weighted_outer(a, g, w), layer.kernel.dtype),
-            path=path,
-        )
-    ]
+    kernel = layer.kernel
+    if path == "materialized":  # the [B, D, P] grads serve the norm and the clipped sum
+        per_example = linear.materialize(a, g)
+        sq = linear.rowwise_sq_norm(per_example)
+
+        def kernel_sum(w: tf.Tensor) -> tf.Tensor:
+            return tf.cast(linear.weighted_rows(per_example, w), kernel.dtype)
+    else:
+        sq = linear.sq_norm(a, g, path)
+
+        def kernel_sum(w: tf.Tensor) -> tf.Tensor:
+            return tf.cast(linear.weighted_outer(a, g, w), kernel.dtype)
+
+    out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
     if layer.bias is not None:
         gb = tf.reduce_sum(tf.cast(g, tf.float32), axis=1)  # [B, P]
         out.append(

@@ -42,8 +42,16 @@ def sq_norm(a: tf.Tensor, g: tf.Tensor, path: str) -> tf.Tensor:
         aa = tf.matmul(a, a, transpose_b=True)
         gg = tf.matmul(g, g, transpose_b=True)
         return tf.reduce_sum(aa * gg, axis=[1, 2])
-    per_example = tf.matmul(a, g, transpose_a=True)  # [B, D, P]
-    return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+    return rowwise_sq_norm(materialize(a, g))
+
+
+def materialize(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """Per-example ``A_i^T G_i``, shape ``[B, D, P]`` (float32).
+
+    Privacy:
+      Unclipped per-example gradients: clip before aggregating.
+    """
+    return tf.matmul(tf.cast(a, tf.float32), tf.cast(g, tf.float32), transpose_a=True)
 
 
 def weighted_outer(a: tf.Tensor, g: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
