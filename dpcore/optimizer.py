@@ -280,7 +280,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
           variables: the variables ``clipped.grads`` belong to (default: those the optimizer was
             built with). The first call builds the optimizer on them.
           step_end: None (a logical step ends every ``accumulation_steps`` calls) or a bool
-            (tensor) that is True on the last micro-batch of a logical step.
+            scalar (tensor) that is True on the last micro-batch of a logical step (then
+            ``accumulation_steps`` must be 1).
 
         Raises:
           ValueError: for mismatched gradients/variables or a sensitivity that changes between
@@ -341,6 +342,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
         ]
 
         if step_end is not None:
+            if self.accumulation_steps != 1:
+                raise ValueError(
+                    f"step_end was given but accumulation_steps={self.accumulation_steps}: the "
+                    "sampler's step_end already marks where each logical step ends. Keep "
+                    "accumulation_steps=1 and, to bound memory, give the sampler a smaller "
+                    "padded batch size (a logical step then spans several chunks)."
+                )
             step_end = tf.cast(step_end, tf.bool)
             if step_end.shape.rank != 0:
                 raise ValueError(

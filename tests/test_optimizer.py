@@ -129,6 +129,8 @@ def test_step_input_errors_before_any_update(rng):
         dp_train_step(frozen, LOSS, x, y, optimizer=opt)
     with pytest.raises(ValueError, match="step_end"):
         dp_train_step(model, LOSS, x, y, optimizer=opt, step_end=np.ones(6, bool))
+    with pytest.raises(ValueError, match="accumulation_steps=2"):
+        dp_train_step(model, LOSS, x, y, optimizer=make_opt(accumulation_steps=2), step_end=True)
     for w, v in zip(w0, model.trainable_variables):
         np.testing.assert_array_equal(w, v.numpy())
     assert int(opt.dp_steps) == 0
@@ -348,7 +350,7 @@ def test_accumulated_step_adds_noise_once():
 @pytest.mark.parametrize("prebuild", [True, False])
 def test_training_loop_traces_once(rng, prebuild):
     model = small_mlp()
-    opt = make_opt(noise_multiplier=0.5, accumulation_steps=2, seed=1)
+    opt = make_opt(noise_multiplier=0.5, seed=1)
     if prebuild:  # otherwise tf.function retraces once after the first call creates variables
         opt.build(model.trainable_variables)
     traces = []

@@ -1,0 +1,361 @@
+"""``model.fit`` integration: a Keras model whose ``train_step`` is the DP-SGD step.
+
+Contract:
+- :class:`DPModel` wraps a built Keras model without modifying it: ``call`` delegates to the
+  wrapped model (so ``predict`` and ``evaluate`` behave as usual and share its weights), and
+  ``train_step`` runs :func:`dpcore.optimizer.dp_step` with the compiled :class:`DPOptimizer`.
+- Accepted batches: ``(x, y)``, ``(x, y, sample_weight)`` and the sampler's
+  ``(x, y, mask, step_end)``. Padding rows (mask 0) contribute nothing to the update, the loss or
+  any metric; an all-padding batch is a valid step (noise only).
+- The ``loss`` log is the mean per-example loss of the real examples (weighted by their count
+  across batches); compiled metrics see only real rows.
+- Layers that mix examples (trainable BatchNormalization, stateful RNNs) are refused when the
+  model is wrapped and again when the step is traced (see :mod:`dpcore.validation`).
+- :func:`make_private` builds the :class:`DPOptimizer` when needed and compiles the wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from dpcore import validation
+from dpcore.losses import per_example_loss_fn
+from dpcore.optimizer import DPOptimizer, dp_step
+
+__all__ = ["DPModel", "make_private"]
+
+
+def _unpack(data: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """``(x, y, sample_weight, mask, step_end)`` from any accepted batch layout."""
+    if isinstance(data, list):
+        data = tuple(data)
+    if not isinstance(data, tuple) or len(data) < 2 or data[1] is None:
+        raise ValueError(
+            "DP training needs labels: batches must be (x, y), (x, y, sample_weight) or the "
+            "sampler's (x, y, mask, step_end)."
+        )
+    if len(data) == 2:
+        return data[0], data[1], None, None, None
+    if len(data) == 3:
+        return data[0], data[1], data[2], None, None
+    if len(data) == 4:
+        return data[0], data[1], None, data[2], data[3]
+    raise ValueError(
+        f"batch has {len(data)} elements; expected (x, y), (x, y, sample_weight) or "
+        "(x, y, mask, step_end)."
+    )
+
+
+def _rows(structure: Any, keep: tf.Tensor) -> Any:
+    return tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), structure)
+
+
+@keras.saving.register_keras_serializable(package="dpcore")
+class DPModel(keras.Model):
+    """A Keras model that trains its wrapped model with DP-SGD under ``fit``.
+
+    Args:
+      model: the Keras model to train (built, with trainable variables).
+      method: engine path, ``"auto"``, ``"fast"`` or ``"vectorized"``.
+      nonfinite: ``"raise"`` (default) fails the step on NaN/Inf in inputs or labels; ``"skip"``
+        drops such examples from the step.
+      chunk_size: vectorized path only: examples per chunk, bounding peak memory.
+      name: the wrapper's name (default ``"dp_<model name>"``).
+
+    Compile it with a :class:`DPOptimizer` and a per-example-capable loss (any Keras loss; it is
+    rebuilt with ``reduction=None``), or use :func:`make_private`.
+
+    Privacy:
+      Each logical step's update is the Gaussian mechanism on per-example-clipped gradients; the
+      logged loss and metrics are computed from the raw batches and are not private.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        *,
+        method: str = "auto",
+        nonfinite: str = "raise",
+        chunk_size: int | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(model, keras.layers.Layer):
+            raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
+        if isinstance(model, DPModel):
+            raise ValueError("model is already a DPModel; wrap the plain Keras model once.")
+        validation.check_layers(model)
+        if model.built:
+            validation.check_trainable(model)
+        super().__init__(name=name or f"dp_{model.name}", **kwargs)
+        self.model = model
+        self.method = method
+        self.nonfinite = nonfinite
+        self.chunk_size = chunk_size
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self._per_example_loss = None
+        if model.built:  # the wrapper owns no variables of its own
+            self.built = True
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        return self.model(inputs, training=training)
+
+    def compile(
+        self,
+        optimizer: DPOptimizer,
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Keras ``compile``, restricted to what a DP step supports.
+
+        Args:
+          optimizer: a :class:`DPOptimizer`.
+          loss: one loss for the single output (name, ``keras.losses.Loss`` or a callable
+            ``(y_true, y_pred) -> [B]``).
+          loss_weights: not supported (raises if given).
+          metrics: Keras metrics, evaluated on the real (unmasked) rows only.
+          weighted_metrics: Keras metrics weighted by ``sample_weight``, real rows only.
+          **kwargs: other ``keras.Model.compile`` arguments (``run_eagerly``,
+            ``steps_per_execution``, ...). ``auto_scale_loss`` is always False.
+
+        Raises:
+          TypeError: if ``optimizer`` is not a :class:`DPOptimizer`.
+          ValueError: for a missing, multi-output or weighted loss.
+        """
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(
+                f"DPModel needs a dpcore.DPOptimizer, got optimizer={optimizer!r}; wrap it: "
+                "dpcore.DPOptimizer(keras.optimizers.SGD(...), l2_norm_clip=..., "
+                "noise_multiplier=..., expected_batch_size=...), or use dpcore.make_private."
+            )
+        if loss is None:
+            raise ValueError("loss=None: DP training needs a loss (one value per example).")
+        if isinstance(loss, (dict, list, tuple)):
+            raise ValueError(
+                f"loss={loss!r}: DPModel supports one loss for a single output; combine per-output "
+                "losses into one callable (y_true, y_pred) -> [B]."
+            )
+        if loss_weights is not None:
+            raise ValueError(f"loss_weights={loss_weights!r} is not supported by DPModel.")
+        self._per_example_loss = per_example_loss_fn(loss)
+        kwargs["auto_scale_loss"] = False
+        kwargs.setdefault("jit_compile", False)
+        super().compile(
+            optimizer=optimizer,
+            loss=loss,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            **kwargs,
+        )
+
+    def get_compile_config(self) -> dict[str, Any] | None:
+        return super().get_compile_config()
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Re-compiles from a saved compile config (used by ``keras.saving.load_model``)."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    @property
+    def metrics(self) -> list[Any]:
+        own = self.loss_tracker
+        rest = [
+            m
+            for m in super().metrics
+            if m is not own and not (m.name == "loss" and isinstance(m, keras.metrics.Mean))
+        ]
+        return [own, *rest]
+
+    def _check_ready(self) -> None:
+        validation.check_layers(self.model)
+        validation.check_trainable(self.model)
+        if self._per_example_loss is None:
+            raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
+
+    def _metric_results(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, mask: Any) -> Any:
+        keep = mask > 0
+        sw = (
+            None
+            if sample_weight is None
+            else tf.boolean_mask(tf.reshape(tf.cast(sample_weight, tf.float32), [-1]), keep)
+        )
+        return self.compute_metrics(x, _rows(y, keep), _rows(y_pred, keep), sample_weight=sw)
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        """One DP-SGD micro-step on a batch (see the module contract for batch layouts)."""
+        self._check_ready()
+        x, y, sample_weight, mask, step_end = _unpack(data)
+        result = dp_step(
+            self.model,
+            self._per_example_loss,
+            x,
+            y,
+            optimizer=self.optimizer,
+            sample_weight=sample_weight,
+            mask=mask,
+            step_end=step_end,
+            method=self.method,
+            training=True,
+            chunk_size=self.chunk_size,
+            nonfinite=self.nonfinite,
+        )
+        self.loss_tracker.update_state(result.loss, sample_weight=result.num_examples)
+        return self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
+
+    def test_step(self, data: Any) -> dict[str, Any]:
+        """Evaluation on a batch: loss and metrics over the real rows."""
+        if self._per_example_loss is None:
+            raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
+        x, y, sample_weight, mask, _ = _unpack(data)
+        y_pred = self(x, training=False)
+        values = tf.cast(self._per_example_loss(y, y_pred), tf.float32)
+        b = tf.shape(values)[0]
+        mask = tf.ones([b]) if mask is None else tf.cast(tf.reshape(mask, [-1]), tf.float32)
+        weights = mask
+        if sample_weight is not None:
+            weights = weights * tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
+        num = tf.reduce_sum(mask)
+        mean = tf.reduce_sum(tf.where(mask > 0, values * weights, 0.0)) / tf.maximum(num, 1.0)
+        self.loss_tracker.update_state(mean, sample_weight=num)
+        return self._metric_results(x, y, y_pred, sample_weight, mask)
+
+    def predict_step(self, data: Any) -> Any:
+        if isinstance(data, (tuple, list)) and len(data) == 4:
+            x = data[0]
+        else:
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self(x, training=False)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "model": keras.saving.serialize_keras_object(self.model),
+            "method": self.method,
+            "nonfinite": self.nonfinite,
+            "chunk_size": self.chunk_size,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> DPModel:
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        return cls(model, **config)
+
+
+def make_private(
+    model: keras.Model,
+    *,
+    optimizer: Any,
+    loss: Any,
+    metrics: Any = None,
+    weighted_metrics: Any = None,
+    l2_norm_clip: float | Sequence[float] | None = None,
+    noise_multiplier: float | None = None,
+    expected_batch_size: float | None = None,
+    accumulation_steps: int | None = None,
+    seed: int | Sequence[int] | None = None,
+    config: Any = None,
+    method: str = "auto",
+    nonfinite: str = "raise",
+    chunk_size: int | None = None,
+    **compile_kwargs: Any,
+) -> DPModel:
+    """Wraps ``model`` for DP-SGD training with ``fit`` and compiles it.
+
+    Args:
+      model: a built Keras model; it is not modified and keeps sharing its weights.
+      optimizer: a :class:`DPOptimizer`, or a plain Keras optimizer (or name) together with the
+        privacy parameters (keywords or ``config``), which then get wrapped.
+      loss: the training loss (any Keras loss; it is evaluated per example).
+      metrics: Keras metrics (computed on real rows only).
+      weighted_metrics: Keras weighted metrics (real rows only).
+      l2_norm_clip: per-example clipping bound (with a plain ``optimizer``).
+      noise_multiplier: σ (with a plain ``optimizer``).
+      expected_batch_size: the noised sum's divisor (with a plain ``optimizer``).
+      accumulation_steps: micro-steps per logical step (with a plain ``optimizer``; default 1).
+      seed: fixed noise seed, tests/reproducibility only (with a plain ``optimizer``).
+      config: an object with ``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size`` and
+        optionally ``accumulation_steps`` (e.g. ``dpcore.DPConfig``), instead of the keywords.
+      method: engine path (``"auto"``, ``"fast"``, ``"vectorized"``).
+      nonfinite: ``"raise"`` or ``"skip"`` examples with NaN/Inf inputs or labels.
+      chunk_size: vectorized path memory bound.
+      **compile_kwargs: further ``keras.Model.compile`` arguments.
+
+    Returns:
+      A compiled :class:`DPModel`.
+
+    Raises:
+      ValueError: for missing or out-of-range privacy parameters, batch-mixing layers, a model
+        without trainable variables, or privacy parameters given twice.
+
+    Privacy:
+      Training the returned model with ``fit`` releases only Gaussian-privatized updates; account
+      for them with the sampler's sampling probability and the optimizer's ``dp_steps``.
+    """
+    params = {
+        "l2_norm_clip": l2_norm_clip,
+        "noise_multiplier": noise_multiplier,
+        "expected_batch_size": expected_batch_size,
+        "accumulation_steps": accumulation_steps,
+    }
+    if config is not None:
+        for key in params:
+            value = getattr(config, key, None)
+            if value is None:
+                continue
+            if params[key] is not None and params[key] != value:
+                raise ValueError(
+                    f"{key}={params[key]!r} conflicts with config.{key}={value!r}; give it once."
+                )
+            params[key] = value
+    given = {k: v for k, v in params.items() if v is not None}
+    if isinstance(optimizer, DPOptimizer):
+        if seed is not None:
+            raise ValueError("seed= only applies when make_private wraps a plain optimizer.")
+        for key, value in given.items():
+            current = getattr(optimizer, key)
+            if key == "l2_norm_clip" and isinstance(value, (list, tuple)):
+                value = tuple(float(c) for c in value)
+            if current != value:
+                raise ValueError(
+                    f"{key}={value!r} conflicts with the DPOptimizer's {key}={current!r}; set the "
+                    "privacy parameters in one place."
+                )
+        dp_optimizer = optimizer
+    else:
+        missing = [
+            k for k in ("l2_norm_clip", "noise_multiplier", "expected_batch_size") if k not in given
+        ]
+        if missing:
+            raise ValueError(
+                f"optimizer={optimizer!r} is not a DPOptimizer, so make_private needs "
+                f"{', '.join(missing)} (as keywords or via config=)."
+            )
+        dp_optimizer = DPOptimizer(
+            optimizer,
+            l2_norm_clip=given["l2_norm_clip"],
+            noise_multiplier=given["noise_multiplier"],
+            expected_batch_size=given["expected_batch_size"],
+            accumulation_steps=int(given.get("accumulation_steps", 1)),
+            seed=seed,
+        )
+    dp_model = DPModel(model, method=method, nonfinite=nonfinite, chunk_size=chunk_size)
+    dp_model.compile(
+        optimizer=dp_optimizer,
+        loss=loss,
+        metrics=metrics,
+        weighted_metrics=weighted_metrics,
+        **compile_kwargs,
+    )
+    return dp_model
