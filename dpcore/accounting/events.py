@@ -1,0 +1,281 @@
+"""DpEvents of DP-SGD runs and their (ε, δ), computed with dp-accounting.
+
+Contract:
+  * Every privacy figure dpcore reports comes from a `dp_accounting` accountant applied to a
+    `DpEvent` built here; no privacy math is written by hand.
+  * Poisson sampling (each example joins each logical step independently with probability q):
+    `poisson_event` = `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), steps)`.
+  * Shuffled fixed-size batches are not Poisson sampling. `shuffle_event` is the sound bound
+    that uses no amplification: each example is in exactly one batch per epoch, so an epoch
+    is one Gaussian mechanism of noise multiplier σ for that example, and E epochs (a partial
+    epoch counts as a whole one) compose as `SelfComposedDpEvent(GaussianDpEvent(σ), E)`.
+    A Poisson figure for shuffled batches is only ever an explicitly labelled assumption.
+  * The clipped sum has sensitivity C under add/remove-one adjacency (`"add_remove"`, the
+    default). Under `"replace_one"` the PLD accountant accounts for the doubled sensitivity.
+    dp-accounting's RDP accountant does not support replace-one for these events (it rejects
+    it for Poisson sampling and would silently ignore it for a plain Gaussian), so RDP with
+    `"replace_one"` is refused here rather than reported wrongly.
+  * Invalid inputs raise `ValueError` naming the argument and the value received.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import dp_accounting
+from dp_accounting import pld, rdp
+
+__all__ = [
+    "ACCOUNTANTS",
+    "NEIGHBORING_RELATIONS",
+    "SAMPLING_MODES",
+    "compute_delta",
+    "compute_epsilon",
+    "make_accountant",
+    "neighboring_relation",
+    "poisson_event",
+    "shuffle_epochs",
+    "shuffle_event",
+    "shuffle_steps_per_epoch",
+]
+
+SAMPLING_MODES = ("poisson", "shuffle")
+ACCOUNTANTS = ("pld", "rdp")
+NEIGHBORING_RELATIONS = {
+    "add_remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "replace_one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+}
+
+
+# ------------------------------------------------------------------------------- validation
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_sampling_prob(sampling_prob: Any, name: str = "sampling_prob") -> float:
+    """Returns `sampling_prob` as a float in (0, 1], else raises ValueError."""
+    if not _is_number(sampling_prob) or not 0.0 < float(sampling_prob) <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {sampling_prob!r}.")
+    return float(sampling_prob)
+
+
+def check_delta(target_delta: Any, name: str = "target_delta") -> float:
+    """Returns `target_delta` as a float in (0, 1), else raises ValueError."""
+    if not _is_number(target_delta) or not 0.0 < float(target_delta) < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {target_delta!r}.")
+    return float(target_delta)
+
+
+def check_epsilon(target_epsilon: Any, name: str = "target_epsilon") -> float:
+    """Returns `target_epsilon` as a finite float > 0, else raises ValueError."""
+    if (
+        not _is_number(target_epsilon)
+        or not math.isfinite(float(target_epsilon))
+        or float(target_epsilon) <= 0.0
+    ):
+        raise ValueError(f"{name} must be a finite number > 0, got {target_epsilon!r}.")
+    return float(target_epsilon)
+
+
+def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier") -> float:
+    """Returns `noise_multiplier` as a finite float >= 0, else raises ValueError."""
+    if (
+        not _is_number(noise_multiplier)
+        or not math.isfinite(float(noise_multiplier))
+        or float(noise_multiplier) < 0.0
+    ):
+        raise ValueError(f"{name} must be a finite number >= 0, got {noise_multiplier!r}.")
+    return float(noise_multiplier)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """Returns `value` as an int >= 1 (integral floats accepted), else raises ValueError."""
+    ok = _is_number(value) and math.isfinite(float(value)) and float(value) == int(value)
+    if not ok or int(value) < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+def check_choice(value: Any, choices: Any, name: str) -> str:
+    """Returns `value` if it is one of `choices`, else raises ValueError."""
+    if value not in tuple(choices):
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}.")
+    return str(value)
+
+
+def neighboring_relation(neighboring: str) -> dp_accounting.NeighboringRelation:
+    """Maps `"add_remove"` / `"replace_one"` to `dp_accounting.NeighboringRelation`."""
+    check_choice(neighboring, NEIGHBORING_RELATIONS, "neighboring")
+    return NEIGHBORING_RELATIONS[neighboring]
+
+
+# ----------------------------------------------------------------------------------- events
+def poisson_event(
+    *, noise_multiplier: float, sampling_prob: float, steps: int
+) -> dp_accounting.DpEvent:
+    """The DpEvent of `steps` Poisson-sampled Gaussian steps.
+
+    Args:
+      noise_multiplier: σ; the noise std on the clipped sum is σ · C.
+      sampling_prob: q, the probability that an example joins a logical step, in (0, 1].
+      steps: number of logical steps (noise added once each), >= 1.
+
+    Returns:
+      `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), steps)`.
+
+    Privacy:
+      Valid only if batches really are Poisson samples with fresh randomness per step.
+    """
+    sigma = check_noise_multiplier(noise_multiplier)
+    q = check_sampling_prob(sampling_prob)
+    n = check_positive_int(steps, "steps")
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), n
+    )
+
+
+def shuffle_steps_per_epoch(*, num_examples: int, batch_size: int) -> int:
+    """Logical steps in one pass of shuffled fixed-size batches: ceil(N / B).
+
+    The last, partial batch is padded and masked (see `dpcore.sampling.shuffled_batches`).
+    """
+    n = check_positive_int(num_examples, "num_examples")
+    b = check_positive_int(batch_size, "batch_size")
+    if b > n:
+        raise ValueError(f"batch_size must be <= num_examples={n}, got {batch_size!r}.")
+    return -(-n // b)
+
+
+def shuffle_epochs(*, steps: int, steps_per_epoch: int) -> int:
+    """Number of (possibly partial) epochs that `steps` steps touch: ceil(steps / spe)."""
+    n = check_positive_int(steps, "steps")
+    spe = check_positive_int(steps_per_epoch, "steps_per_epoch")
+    return -(-n // spe)
+
+
+def shuffle_event(
+    *,
+    noise_multiplier: float,
+    steps_per_epoch: int,
+    epochs: float | None = None,
+    steps: int | None = None,
+) -> dp_accounting.DpEvent:
+    """The sound, no-amplification DpEvent of shuffled fixed-size batches.
+
+    Give exactly one of `epochs` (may be fractional) or `steps`. Each example is used in one
+    step per epoch, so each (possibly partial) epoch is one Gaussian mechanism of noise
+    multiplier σ for it, and the epochs compose.
+
+    Args:
+      noise_multiplier: σ.
+      steps_per_epoch: logical steps in one pass over the data (ceil(N / B)), >= 1.
+      epochs: passes over the data, > 0; rounded up.
+      steps: logical steps run, >= 1; epochs = ceil(steps / steps_per_epoch).
+
+    Returns:
+      `SelfComposedDpEvent(GaussianDpEvent(σ), ceil(epochs))`.
+
+    Privacy:
+      Assumes nothing about the order of batches (no amplification by shuffling).
+    """
+    sigma = check_noise_multiplier(noise_multiplier)
+    spe = check_positive_int(steps_per_epoch, "steps_per_epoch")
+    if (epochs is None) == (steps is None):
+        raise ValueError(
+            f"give exactly one of epochs or steps, got epochs={epochs!r}, steps={steps!r}."
+        )
+    if steps is not None:
+        count = shuffle_epochs(steps=steps, steps_per_epoch=spe)
+    else:
+        if not _is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+        count = math.ceil(float(epochs) - 1e-12)
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), count)
+
+
+# ------------------------------------------------------------------------------ accountants
+def make_accountant(
+    accountant: str = "pld", *, neighboring: str = "add_remove"
+) -> dp_accounting.PrivacyAccountant:
+    """A fresh dp-accounting accountant: `"pld"` (default) or `"rdp"`.
+
+    Raises:
+      ValueError: unknown accountant or neighboring relation, or RDP with `"replace_one"`
+        (unsupported by dp-accounting's RDP accountant for DP-SGD events).
+    """
+    check_choice(accountant, ACCOUNTANTS, "accountant")
+    relation = neighboring_relation(neighboring)
+    if accountant == "pld":
+        return pld.PLDAccountant(neighboring_relation=relation)
+    if neighboring != "add_remove":
+        raise ValueError(
+            f"accountant='rdp' supports only neighboring='add_remove' for DP-SGD events, got "
+            f"neighboring={neighboring!r}; use accountant='pld' for replace-one adjacency."
+        )
+    return rdp.RdpAccountant(neighboring_relation=relation)
+
+
+def _composed(
+    event: dp_accounting.DpEvent, accountant: str, neighboring: str
+) -> dp_accounting.PrivacyAccountant:
+    if not isinstance(event, dp_accounting.DpEvent):
+        raise ValueError(f"event must be a dp_accounting.DpEvent, got {event!r}.")
+    acc = make_accountant(accountant, neighboring=neighboring)
+    if not acc.supports(event):
+        raise ValueError(
+            f"accountant={accountant!r} with neighboring={neighboring!r} does not support "
+            f"event={event!r}."
+        )
+    acc.compose(event)
+    return acc
+
+
+def compute_epsilon(
+    event: dp_accounting.DpEvent,
+    *,
+    target_delta: float,
+    accountant: str = "pld",
+    neighboring: str = "add_remove",
+) -> float:
+    """ε of `event` at δ = `target_delta`, from a dp-accounting accountant.
+
+    Args:
+      event: the DpEvent of the whole run (e.g. `poisson_event(...)`, a ledger's event).
+      target_delta: δ in (0, 1).
+      accountant: `"pld"` (default, tighter) or `"rdp"`.
+      neighboring: `"add_remove"` (default) or `"replace_one"`.
+
+    Returns:
+      ε (`math.inf` when the event contains a non-private step, e.g. σ = 0).
+
+    Privacy:
+      The figure is only as true as the event: build it from what actually ran.
+    """
+    delta = check_delta(target_delta)
+    return float(_composed(event, accountant, neighboring).get_epsilon(delta))
+
+
+def compute_delta(
+    event: dp_accounting.DpEvent,
+    *,
+    target_epsilon: float,
+    accountant: str = "pld",
+    neighboring: str = "add_remove",
+) -> float:
+    """δ of `event` at ε = `target_epsilon`, from a dp-accounting accountant.
+
+    Args:
+      event: the DpEvent of the whole run.
+      target_epsilon: ε > 0.
+      accountant: `"pld"` (default) or `"rdp"`.
+      neighboring: `"add_remove"` (default) or `"replace_one"`.
+
+    Returns:
+      δ in [0, 1].
+
+    Privacy:
+      The figure is only as true as the event: build it from what actually ran.
+    """
+    eps = check_epsilon(target_epsilon)
+    return float(_composed(event, accountant, neighboring).get_delta(eps))

@@ -1,0 +1,368 @@
+"""Keras callbacks for privacy accounting during `model.fit`.
+
+Contract:
+  * `EpsilonCallback` keeps a `PrivacyLedger` in step with training. The number of logical
+    steps comes from the optimizer's int64 variable `dp_steps` when it has one (a
+    `DPOptimizer`), else from counting train batches (divided by `accumulation_steps`). σ is
+    read from the optimizer's `noise_multiplier` attribute when it has one (else the
+    config's), so a σ schedule is recorded as it ran. At every epoch end it puts ε (PLD by
+    default) into `logs["epsilon"]`, which the progress bar and `History` show, writes a
+    TensorBoard scalar `epsilon` when `log_dir` is given, and the ledger JSON when
+    `ledger_path` is given.
+  * For shuffled batches each Keras epoch is taken to start a fresh pass over the data
+    (`reshuffle_each_epoch=True`), which can only over-count epochs, never under-count.
+  * `PrivacyBudgetGuard` computes once, at the start of training, how many more logical
+    steps keep ε <= target_epsilon (steps already spent included), then stops training
+    before a batch would go past that. If no step fits, it raises `RuntimeError`.
+  * Both work with any Keras 3 model and optimizer; nothing here touches Keras internals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from dpcore.accounting import calibration
+from dpcore.accounting import events as ev
+from dpcore.accounting.ledger import PrivacyLedger
+from dpcore.config import DPConfig
+
+__all__ = ["EpsilonCallback", "PrivacyBudgetGuard"]
+
+
+def _optimizer(model: Any) -> Any:
+    return getattr(model, "optimizer", None)
+
+
+def _read_dp_steps(model: Any) -> int | None:
+    """The optimizer's applied logical steps (`dp_steps`), or None if it has no such counter."""
+    var = getattr(_optimizer(model), "dp_steps", None)
+    if var is None:
+        return None
+    return int(np.asarray(keras.ops.convert_to_numpy(var)))
+
+
+def _current_noise(model: Any, default: float) -> float:
+    value = getattr(_optimizer(model), "noise_multiplier", None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return default
+
+
+def _sync_ledger(
+    ledger: PrivacyLedger, applied: int | None, config: DPConfig, sigma: float
+) -> None:
+    """Records steps the optimizer applied that the ledger lacks (e.g. a resumed run)."""
+    if applied is not None and applied > ledger.steps:
+        missing = applied - ledger.steps
+        warnings.warn(
+            f"the optimizer has applied {applied} logical steps but the ledger holds "
+            f"{ledger.steps}; recording the {missing} missing steps with "
+            f"noise_multiplier={sigma} and sampling_prob={config.sampling_prob}. Restore the "
+            "ledger from the run's JSON to keep its exact history.",
+            UserWarning,
+            stacklevel=3,
+        )
+        ledger.record_steps(missing, noise_multiplier=sigma, sampling_prob=config.sampling_prob)
+
+
+def _scalar_summary(name: str, value: float, *, step: int) -> None:
+    """A TensorBoard scalar, as `tf.summary.scalar` writes it, without needing tensorboard."""
+    import tensorflow as tf
+
+    metadata = tf.compat.v1.SummaryMetadata(
+        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"),
+        data_class=1,  # DATA_CLASS_SCALAR
+    )
+    tf.summary.write(name, tf.constant(float(value), tf.float32), step=step, metadata=metadata)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class EpsilonCallback(keras.callbacks.Callback):
+    """Adds the run's ε so far to the epoch logs (progress bar, History, TensorBoard).
+
+    Example:
+      config = DPConfig(l2_norm_clip=1.0, noise_multiplier=1.1, expected_batch_size=256,
+                        num_examples=60000, steps=14063)
+      model.fit(..., callbacks=[EpsilonCallback(config, log_dir="runs/tb")])
+
+    Privacy:
+      Reports ε for the steps that actually ran (the optimizer's `dp_steps` when present).
+      Pass the ledger restored from the previous run's JSON when resuming.
+    """
+
+    def __init__(
+        self,
+        config: DPConfig,
+        *,
+        ledger: PrivacyLedger | None = None,
+        accountant: str = "pld",
+        target_delta: float | None = None,
+        log_dir: str | None = None,
+        ledger_path: str | None = None,
+        also_rdp: bool = False,
+        report_poisson_assumption: bool = False,
+        reshuffle_each_epoch: bool = True,
+    ) -> None:
+        """Creates the callback.
+
+        Args:
+          config: the run's `DPConfig` (σ, q, N, sampling mode, adjacency, δ).
+          ledger: a ledger to continue (resumed run); default: a new empty one.
+          accountant: `"pld"` (default) or `"rdp"` for `logs["epsilon"]`.
+          target_delta: δ; default `config.target_delta`.
+          log_dir: if given, writes TensorBoard scalars `epsilon` (step = epoch).
+          ledger_path: if given, writes the ledger JSON there at each epoch end.
+          also_rdp: also log `epsilon_rdp`.
+          report_poisson_assumption: shuffle only: also log `epsilon_assuming_poisson`,
+            the Poisson figure (an assumption, not a guarantee).
+          reshuffle_each_epoch: shuffle only: each Keras epoch starts a new pass.
+        """
+        super().__init__()
+        if not isinstance(config, DPConfig):
+            raise ValueError(f"config must be a dpcore.config.DPConfig, got {config!r}.")
+        self.config = config
+        self.accountant = ev.check_choice(accountant, ev.ACCOUNTANTS, "accountant")
+        ev.make_accountant(accountant, neighboring=config.neighboring)
+        self.target_delta = (
+            config.target_delta if target_delta is None else ev.check_delta(target_delta)
+        )
+        if ledger is None:
+            ledger = config.new_ledger()
+        if not isinstance(ledger, PrivacyLedger):
+            raise ValueError(f"ledger must be a PrivacyLedger, got {ledger!r}.")
+        if (ledger.num_examples, ledger.sampling, ledger.neighboring) != (
+            config.num_examples,
+            config.sampling,
+            config.neighboring,
+        ):
+            raise ValueError(
+                f"ledger={ledger!r} does not match config (num_examples={config.num_examples}, "
+                f"sampling={config.sampling!r}, neighboring={config.neighboring!r})."
+            )
+        self.ledger = ledger
+        self.log_dir = log_dir
+        self.ledger_path = ledger_path
+        self.also_rdp = bool(also_rdp)
+        self.report_poisson_assumption = bool(report_poisson_assumption)
+        self.reshuffle_each_epoch = bool(reshuffle_each_epoch)
+        self.history: list[dict[str, float]] = []
+        self._writer: Any = None
+        self._use_counter = False
+        self._synced = 0  # logical-step position already in the ledger
+        self._done_batches = 0
+        self._epoch_batches = 0
+        self._sigma = config.noise_multiplier
+
+    # --------------------------------------------------------------------------- steps
+    def _position(self) -> int:
+        if self._use_counter:
+            value = _read_dp_steps(self.model)
+            return int(value) if value is not None else self._synced
+        return (self._done_batches + self._epoch_batches) // self.config.accumulation_steps
+
+    def flush(self) -> None:
+        """Records the steps run since the last flush with the σ and q in force."""
+        position = self._position()
+        if position > self._synced:
+            self.ledger.record_steps(
+                position - self._synced,
+                noise_multiplier=self._sigma,
+                sampling_prob=self.config.sampling_prob,
+            )
+        self._synced = max(self._synced, position)
+
+    def epsilon(self) -> float:
+        """ε of the ledger so far (after a `flush`)."""
+        return self.ledger.epsilon(self.target_delta, self.accountant)
+
+    # ----------------------------------------------------------------------- callbacks
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._sigma = _current_noise(self.model, self.config.noise_multiplier)
+        applied = _read_dp_steps(self.model)
+        self._use_counter = applied is not None
+        if self._use_counter:
+            _sync_ledger(self.ledger, applied, self.config, self._sigma)
+            self._synced = int(applied)
+        else:
+            self._synced = 0
+        self._done_batches = 0
+        self._epoch_batches = 0
+        self.ledger.end_epoch()  # a new fit starts a new pass over the data
+        if self.log_dir and self._writer is None:
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch_batches = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        sigma = _current_noise(self.model, self._sigma)
+        if sigma != self._sigma:  # a σ schedule changed it: close the old segment first
+            self.flush()
+            self._sigma = sigma
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch_batches = int(batch) + 1
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.flush()
+        self._done_batches += self._epoch_batches
+        self._epoch_batches = 0
+        if self.reshuffle_each_epoch:
+            self.ledger.end_epoch()
+        record: dict[str, float] = {"epoch": float(epoch), "steps": float(self.ledger.steps)}
+        record["epsilon"] = self.epsilon()
+        if self.also_rdp:
+            record["epsilon_rdp"] = self.ledger.epsilon(self.target_delta, "rdp")
+        if self.report_poisson_assumption and self.config.sampling == "shuffle":
+            record["epsilon_assuming_poisson"] = self.ledger.epsilon(
+                self.target_delta, self.accountant, assume_poisson=True
+            )
+        self.history.append(record)
+        if logs is not None:
+            for key, value in record.items():
+                if key.startswith("epsilon"):
+                    logs[key] = value
+        if self._writer is not None:
+            with self._writer.as_default():
+                for key, value in record.items():
+                    if key.startswith("epsilon"):
+                        _scalar_summary(key, value, step=int(epoch))
+                _scalar_summary("dp_steps", record["steps"], step=int(epoch))
+            self._writer.flush()
+        self._save_ledger()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self.flush()
+        self._save_ledger()
+
+    def _save_ledger(self) -> None:
+        if self.ledger_path:
+            payload = {
+                "config": self.config.to_dict(),
+                "ledger": self.ledger.to_dict(),
+                "accountant": self.accountant,
+                "target_delta": self.target_delta,
+            }
+            _write_atomic(self.ledger_path, json.dumps(payload, indent=2, sort_keys=True))
+
+
+class PrivacyBudgetGuard(keras.callbacks.Callback):
+    """Stops training before a step would take ε past `target_epsilon`.
+
+    Privacy:
+      The step limit is computed once, at train begin, from the same ledger events the run
+      reports (steps already spent included). Batches are counted conservatively (a batch
+      is at most one logical step), and the limit is re-synced with the optimizer's
+      `dp_steps` at every epoch start.
+    """
+
+    def __init__(
+        self,
+        *,
+        target_epsilon: float,
+        config: DPConfig,
+        ledger: PrivacyLedger | None = None,
+        accountant: str = "pld",
+        target_delta: float | None = None,
+        verbose: int = 1,
+    ) -> None:
+        """Creates the guard.
+
+        Args:
+          target_epsilon: the ε that must not be exceeded (> 0).
+          config: the run's `DPConfig` (σ, q, N, sampling mode, adjacency, δ).
+          ledger: steps already spent (resumed run); it is not modified.
+          accountant: `"pld"` (default) or `"rdp"`.
+          target_delta: δ; default `config.target_delta`.
+          verbose: 1 prints a line when it stops training.
+        """
+        super().__init__()
+        if not isinstance(config, DPConfig):
+            raise ValueError(f"config must be a dpcore.config.DPConfig, got {config!r}.")
+        self.target_epsilon = ev.check_epsilon(target_epsilon)
+        self.config = config
+        self.accountant = ev.check_choice(accountant, ev.ACCOUNTANTS, "accountant")
+        self.target_delta = (
+            config.target_delta if target_delta is None else ev.check_delta(target_delta)
+        )
+        self.ledger = ledger
+        self.verbose = int(verbose)
+        self.max_steps: int | None = None  # total logical steps allowed (counter scale)
+        self.stopped_at: int | None = None
+        self._base = 0
+        self._batches = 0
+
+    def remaining_steps(self, spent: PrivacyLedger) -> int:
+        """Further logical steps (at the config's σ and q) that keep ε <= target."""
+        return calibration.calibrate_steps(
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            noise_multiplier=_current_noise(self.model, self.config.noise_multiplier),
+            sampling_prob=self.config.sampling_prob,
+            accountant=self.accountant,
+            ledger=spent,
+        )
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        spent = self.ledger.copy() if self.ledger is not None else self.config.new_ledger()
+        applied = _read_dp_steps(self.model)
+        sigma = _current_noise(self.model, self.config.noise_multiplier)
+        if applied is not None and applied > spent.steps:
+            spent.record_steps(
+                applied - spent.steps,
+                noise_multiplier=sigma,
+                sampling_prob=self.config.sampling_prob,
+            )
+        spent.end_epoch()
+        remaining = self.remaining_steps(spent)
+        self._base = int(applied) if applied is not None else 0
+        self.max_steps = self._base + remaining
+        self._batches = 0
+        if remaining == 0:
+            raise RuntimeError(
+                f"privacy budget exhausted: no further step keeps epsilon <= "
+                f"target_epsilon={self.target_epsilon} at delta={self.target_delta} "
+                f"(spent: {spent.steps} steps, epsilon "
+                f"{spent.epsilon(self.target_delta, self.accountant):.4g})."
+            )
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        applied = _read_dp_steps(self.model)
+        if applied is not None:  # exact count (chunked Poisson steps are one step)
+            self._base = int(applied)
+            self._batches = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._batch_start = int(batch)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._batches += int(batch) - getattr(self, "_batch_start", int(batch)) + 1
+        acc = self.config.accumulation_steps
+        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        done = self._base + self._batches // acc
+        after_next = self._base + (self._batches + per_execution) // acc
+        if self.max_steps is not None and after_next > self.max_steps:
+            self.model.stop_training = True
+            self.stopped_at = done
+            if self.verbose:
+                print(
+                    f"\nPrivacyBudgetGuard: stopping after {done} logical steps; the next "
+                    f"would exceed epsilon={self.target_epsilon} at delta={self.target_delta} "
+                    f"(limit {self.max_steps} steps)."
+                )

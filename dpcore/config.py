@@ -1,0 +1,307 @@
+"""DPConfig: one frozen description of a DP-SGD run, from which everything is derived.
+
+Contract:
+  * A `DPConfig` fixes the clip norm C, the noise multiplier σ, the expected size of one
+    LOGICAL batch, the dataset size N, the number of logical steps, the sampling mode and the
+    adjacency. The sampler (q = expected_batch_size / N), the optimizer's normalization
+    (divide the noisy clipped sum by expected_batch_size) and the accountant's DpEvent all
+    come from the same object, so what is accounted is what ran.
+  * `accumulation_steps` only splits a logical batch into micro-batches to save memory; noise
+    is added once per logical step, so it does not change the DpEvent.
+  * `sampling="poisson"`: the event is Poisson-subsampled Gaussian steps.
+    `sampling="shuffle"`: fixed-size shuffled batches (expected_batch_size is the batch
+    size); the event is the sound no-amplification bound, one Gaussian mechanism per
+    (possibly partial) epoch of ceil(N / B) steps. `assume_poisson=True` gives the Poisson
+    figure for shuffled batches, which is an assumption and must be labelled as one.
+  * All fields are validated on construction; bad values raise `ValueError` naming the field
+    and the value. δ >= 1/N triggers a `UserWarning`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import dp_accounting
+
+from dpcore.accounting import calibration
+from dpcore.accounting import events as ev
+from dpcore.accounting.ledger import PrivacyLedger, warn_if_delta_too_large
+
+__all__ = ["DPConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPConfig:
+    """The privacy-relevant settings of one DP-SGD run (frozen, keyword-only).
+
+    Attributes:
+      l2_norm_clip: C > 0, the per-example gradient clip norm.
+      noise_multiplier: σ >= 0; the noise std on the clipped sum is σ · C (σ = 0: no privacy).
+      expected_batch_size: expected size of one LOGICAL batch (Poisson: q · N; shuffle: the
+        fixed batch size, a whole number).
+      num_examples: N, size of the private dataset.
+      steps: logical steps of the run (noise added once per logical step).
+      sampling: `"poisson"` (default) or `"shuffle"`.
+      accumulation_steps: micro-batches per logical batch (memory only; no privacy effect).
+      target_delta: δ for reported ε, in (0, 1); keep it well below 1/N.
+      neighboring: `"add_remove"` (default) or `"replace_one"` adjacency.
+    """
+
+    l2_norm_clip: float
+    noise_multiplier: float
+    expected_batch_size: float
+    num_examples: int
+    steps: int
+    sampling: str = "poisson"
+    accumulation_steps: int = 1
+    target_delta: float = 1e-5
+    neighboring: str = "add_remove"
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        clip = self.l2_norm_clip
+        if not ev._is_number(clip) or not math.isfinite(float(clip)) or float(clip) <= 0:
+            raise ValueError(f"l2_norm_clip must be a finite number > 0, got {clip!r}.")
+        put("l2_norm_clip", float(clip))
+        put("noise_multiplier", ev.check_noise_multiplier(self.noise_multiplier))
+        put("num_examples", ev.check_positive_int(self.num_examples, "num_examples"))
+        batch = self.expected_batch_size
+        if not ev._is_number(batch) or not 0 < float(batch) <= self.num_examples:
+            raise ValueError(
+                f"expected_batch_size must be in (0, num_examples={self.num_examples}], "
+                f"got {batch!r}."
+            )
+        put("expected_batch_size", float(batch))
+        put("steps", ev.check_positive_int(self.steps, "steps"))
+        ev.check_choice(self.sampling, ev.SAMPLING_MODES, "sampling")
+        if self.sampling == "shuffle" and float(batch) != int(batch):
+            raise ValueError(
+                f"sampling='shuffle' needs a whole expected_batch_size (the fixed batch "
+                f"size), got {batch!r}."
+            )
+        put(
+            "accumulation_steps",
+            ev.check_positive_int(self.accumulation_steps, "accumulation_steps"),
+        )
+        put("target_delta", ev.check_delta(self.target_delta))
+        ev.check_choice(self.neighboring, ev.NEIGHBORING_RELATIONS, "neighboring")
+        warn_if_delta_too_large(self.target_delta, self.num_examples)
+
+    # ------------------------------------------------------------------------ derived
+    @property
+    def sampling_prob(self) -> float:
+        """q = expected_batch_size / num_examples."""
+        return self.expected_batch_size / self.num_examples
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Logical steps per pass: shuffle ceil(N / B); Poisson round(N / B) (at least 1)."""
+        if self.sampling == "shuffle":
+            return ev.shuffle_steps_per_epoch(
+                num_examples=self.num_examples, batch_size=int(self.expected_batch_size)
+            )
+        return max(1, round(self.num_examples / self.expected_batch_size))
+
+    @property
+    def epochs(self) -> float:
+        """Passes over the data: Poisson steps · q (expected); shuffle steps / steps_per_epoch."""
+        if self.sampling == "shuffle":
+            return self.steps / self.steps_per_epoch
+        return self.steps * self.sampling_prob
+
+    @property
+    def micro_batch_size(self) -> float:
+        """Expected size of one micro-batch (expected_batch_size / accumulation_steps)."""
+        return self.expected_batch_size / self.accumulation_steps
+
+    # ----------------------------------------------------------------------- accounting
+    def dp_event(self, *, assume_poisson: bool = False) -> dp_accounting.DpEvent:
+        """The DpEvent of the whole run.
+
+        Args:
+          assume_poisson: shuffle only: the Poisson figure, an assumption (label it).
+
+        Privacy:
+          Poisson: `PoissonSampledDpEvent` per step. Shuffle: the sound no-amplification
+          bound, unless `assume_poisson`.
+        """
+        if self.sampling == "shuffle" and not assume_poisson:
+            return ev.shuffle_event(
+                noise_multiplier=self.noise_multiplier,
+                steps_per_epoch=self.steps_per_epoch,
+                steps=self.steps,
+            )
+        return ev.poisson_event(
+            noise_multiplier=self.noise_multiplier,
+            sampling_prob=self.sampling_prob,
+            steps=self.steps,
+        )
+
+    def epsilon(
+        self,
+        accountant: str = "pld",
+        *,
+        target_delta: float | None = None,
+        assume_poisson: bool = False,
+    ) -> float:
+        """ε of the whole run at `target_delta` (default: the config's δ).
+
+        Privacy:
+          `assume_poisson=True` (shuffle) is an assumption, not a guarantee.
+        """
+        delta = self.target_delta if target_delta is None else ev.check_delta(target_delta)
+        return ev.compute_epsilon(
+            self.dp_event(assume_poisson=assume_poisson),
+            target_delta=delta,
+            accountant=accountant,
+            neighboring=self.neighboring,
+        )
+
+    def delta(
+        self, target_epsilon: float, accountant: str = "pld", *, assume_poisson: bool = False
+    ) -> float:
+        """δ of the whole run at ε = `target_epsilon`.
+
+        Privacy:
+          `assume_poisson=True` (shuffle) is an assumption, not a guarantee.
+        """
+        return ev.compute_delta(
+            self.dp_event(assume_poisson=assume_poisson),
+            target_epsilon=target_epsilon,
+            accountant=accountant,
+            neighboring=self.neighboring,
+        )
+
+    def new_ledger(self) -> PrivacyLedger:
+        """An empty `PrivacyLedger` for this run's dataset, sampling mode and adjacency."""
+        return PrivacyLedger(
+            num_examples=self.num_examples, sampling=self.sampling, neighboring=self.neighboring
+        )
+
+    def max_steps(self, target_epsilon: float, accountant: str = "pld") -> int:
+        """The most logical steps (at this σ and q) whose ε stays <= `target_epsilon`.
+
+        Privacy:
+          Uses the same event as `dp_event()` (never a Poisson assumption for shuffle).
+        """
+        return calibration.calibrate_steps(
+            target_epsilon=target_epsilon,
+            target_delta=self.target_delta,
+            noise_multiplier=self.noise_multiplier,
+            sampling_prob=self.sampling_prob,
+            accountant=accountant,
+            ledger=self.new_ledger(),
+        )
+
+    def accounting_note(self) -> str:
+        """One line saying what the reported ε assumes."""
+        if self.sampling == "shuffle":
+            return (
+                "shuffled fixed-size batches: sound bound without amplification (each epoch "
+                "is one Gaussian mechanism per example; epochs compose)"
+            )
+        return "Poisson-sampled Gaussian steps (PoissonSampledDpEvent)"
+
+    # ---------------------------------------------------------------------- constructors
+    @classmethod
+    def _steps_for_epochs(
+        cls, epochs: Any, *, num_examples: int, expected_batch_size: float, sampling: str
+    ) -> int:
+        if not ev._is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+        n = ev.check_positive_int(num_examples, "num_examples")
+        if not ev._is_number(expected_batch_size) or not 0 < expected_batch_size <= n:
+            raise ValueError(
+                f"expected_batch_size must be in (0, num_examples={n}], "
+                f"got {expected_batch_size!r}."
+            )
+        if sampling == "shuffle":
+            spe = ev.shuffle_steps_per_epoch(num_examples=n, batch_size=int(expected_batch_size))
+            return max(1, math.ceil(float(epochs) * spe - 1e-9))
+        # Poisson: one epoch is N / B steps in expectation; round up (TF Privacy's convention).
+        return max(1, math.ceil(float(epochs) * n / float(expected_batch_size) - 1e-9))
+
+    @classmethod
+    def from_epochs(cls, *, epochs: float, **fields: Any) -> DPConfig:
+        """A config whose `steps` cover `epochs` passes over the data.
+
+        Poisson: steps = ceil(epochs · N / B); shuffle: steps = ceil(epochs · ceil(N / B)).
+        All other fields as for `DPConfig(...)`.
+        """
+        steps = cls._steps_for_epochs(
+            epochs,
+            num_examples=fields.get("num_examples"),
+            expected_batch_size=fields.get("expected_batch_size"),
+            sampling=fields.get("sampling", "poisson"),
+        )
+        return cls(steps=steps, **fields)
+
+    @classmethod
+    def calibrated(
+        cls,
+        *,
+        target_epsilon: float,
+        target_delta: float = 1e-5,
+        accountant: str = "pld",
+        steps: int | None = None,
+        epochs: float | None = None,
+        **fields: Any,
+    ) -> DPConfig:
+        """A config whose noise_multiplier is the smallest σ meeting (ε, δ).
+
+        Give `steps` or `epochs`, and the other fields except noise_multiplier.
+
+        Raises:
+          ValueError: invalid fields, or a target that no σ in range reaches.
+
+        Privacy:
+          The returned config's `epsilon(accountant)` is <= target_epsilon.
+        """
+        if "noise_multiplier" in fields:
+            raise ValueError(
+                f"calibrated() computes noise_multiplier; do not pass it (got "
+                f"{fields['noise_multiplier']!r})."
+            )
+        if (steps is None) == (epochs is None):
+            raise ValueError(
+                f"give exactly one of steps or epochs, got steps={steps!r}, epochs={epochs!r}."
+            )
+        if steps is None:
+            steps = cls._steps_for_epochs(
+                epochs,
+                num_examples=fields.get("num_examples"),
+                expected_batch_size=fields.get("expected_batch_size"),
+                sampling=fields.get("sampling", "poisson"),
+            )
+        probe = cls(
+            noise_multiplier=1.0, steps=steps, target_delta=target_delta, **fields
+        )  # validates every field before the (slower) search
+        sigma = calibration.calibrate_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=probe.target_delta,
+            sampling_prob=probe.sampling_prob,
+            steps=probe.steps,
+            sampling=probe.sampling,
+            accountant=accountant,
+            neighboring=probe.neighboring,
+            steps_per_epoch=probe.steps_per_epoch if probe.sampling == "shuffle" else None,
+        )
+        return dataclasses.replace(probe, noise_multiplier=sigma)
+
+    # --------------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        """The fields plus derived values (sampling_prob, epochs), JSON-ready."""
+        data = dataclasses.asdict(self)
+        data["sampling_prob"] = self.sampling_prob
+        data["epochs"] = self.epochs
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DPConfig:
+        """Rebuilds a config from `to_dict()` output (derived keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
