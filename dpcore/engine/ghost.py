@@ -104,6 +104,8 @@ class _Recorder:
             rule, reason = lookup(self.registry, layer)
             self.layers[key] = (layer, rule, reason)
         _, rule, _ = self.layers[key]
+        if rule is not None and rule.compose is not None:
+            return rule.compose(layer, args, kwargs, self)
         if rule is not None:
             z, capture = rule.forward(layer, args, kwargs)
             self.tape.watch(z)
@@ -263,7 +265,7 @@ def fast_summary(
             found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
         else:
             found = _fallback_grads(layer, uses, wanted)
-        paths[layer.name] = found[0].path if found else "no variables"
+        paths[getattr(layer, "path", layer.name)] = found[0].path if found else "no variables"
         for vg in found:
             by_variable[id(vg.variable)] = vg
     per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]

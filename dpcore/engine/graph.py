@@ -10,10 +10,13 @@ Contract:
   the graph are called as they are. ``training`` is injected exactly as Keras does, and Keras masks
   are propagated for outputs that ``layer_fn`` computed without calling the layer.
 - :func:`leaf_calls` lists the same leaf layer calls statically, with their input shapes.
+- :func:`replay_multi_head_attention` is ``MultiHeadAttention.call`` with its projections routed
+  through a callback (the layer's own mask and attention methods do the rest, dropout included).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -142,3 +145,62 @@ def leaf_calls(model: Any) -> Iterator[tuple[Any, list[Any]]]:
                 yield from leaf_calls(op)
             elif isinstance(op, keras.layers.Layer):
                 yield op, [tuple(t.shape) for t in node.input_tensors]
+
+
+def replay_multi_head_attention(layer: Any, args: tuple, kwargs: dict, call: LayerFn) -> Any:
+    """``layer(*args, **kwargs)`` for a ``MultiHeadAttention``, projections through ``call``.
+
+    Mirrors ``MultiHeadAttention.call`` (Keras 3): Keras masks of the inputs and the explicit
+    masks are merged by the layer's own ``_compute_attention_mask``; ``_compute_attention`` does the
+    softmax attention (and its dropout) exactly once, as in a plain forward pass.
+    """
+    bound = inspect.signature(layer.call).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    query, value = a["query"], a["value"]
+    key = value if a.get("key") is None else a["key"]
+    training = a.get("training")
+    query_mask = get_keras_mask(query)
+    value_mask = a.get("value_mask")
+    if value_mask is None:
+        value_mask = get_keras_mask(value)
+    key_mask = a.get("key_mask")
+    if key_mask is None and a.get("key") is not None:
+        key_mask = get_keras_mask(key)
+    attention_mask = layer._compute_attention_mask(
+        query,
+        value,
+        query_mask=query_mask,
+        value_mask=value_mask,
+        key_mask=key_mask,
+        attention_mask=a.get("attention_mask"),
+        use_causal_mask=a.get("use_causal_mask", False),
+    )
+    gate = None
+    if getattr(layer, "_use_gate", False):
+        gate = call(layer._gate_dense, (query,), {})
+    q = call(layer._query_dense, (query,), {})
+    k = call(layer._key_dense, (key,), {})
+    v = call(layer._value_dense, (value,), {})
+    for t in (q, k, v):
+        set_keras_mask(t, None)
+    output, scores = layer._compute_attention(
+        q, k, v, attention_mask, training, a.get("return_attention_scores", False)
+    )
+    if gate is not None:
+        output = output * gate
+    output = call(layer._output_dense, (output,), {})
+    set_keras_mask(output, None)
+    if query_mask is not None:
+        set_keras_mask(output, query_mask)
+    if a.get("return_attention_scores", False):
+        return output, scores
+    return output
+
+
+def attention_sublayers(layer: Any) -> list[Any]:
+    """The projection sub-layers of a ``MultiHeadAttention`` (gate included when used)."""
+    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
+    if getattr(layer, "_use_gate", False):
+        names.insert(0, "_gate_dense")
+    return [getattr(layer, n) for n in names]

@@ -70,6 +70,10 @@ class LayerRule:
       activate: ``(layer, z) -> outputs``.
       grads: ``(layer, uses) -> [VariableGrad]`` for the layer's trainable variables.
       plan: ``(layer, input_shapes) -> (path, why)`` for reports, from static shapes.
+      compose: for a layer made of sub-layers (e.g. MultiHeadAttention):
+        ``(layer, args, kwargs, call) -> outputs`` replays the layer's computation, calling each
+        sub-layer through ``call(sublayer, args, kwargs)`` so that the engine records the
+        sub-layers with their own rules. When set, ``forward``/``activate``/``grads`` are unused.
     """
 
     name: str
@@ -78,6 +82,7 @@ class LayerRule:
     activate: Callable[[Any, tf.Tensor], Any]
     grads: Callable[[Any, Sequence[Use]], list[VariableGrad]]
     plan: Callable[[Any, Sequence[Any]], tuple[str, str]]
+    compose: Callable[[Any, tuple, dict, Callable], Any] | None = None
 
 
 Registry = Mapping[type, LayerRule]
@@ -88,7 +93,7 @@ def default_registry() -> dict[type, LayerRule]:
 
     Returns:
       ``{layer class: LayerRule}`` for Dense, EinsumDense, Conv1D, Conv2D, Embedding,
-      LayerNormalization and GroupNormalization.
+      LayerNormalization, GroupNormalization and MultiHeadAttention.
     """
     from dpcore.rules import builtin_rules
 

@@ -13,6 +13,7 @@ from dpcore.engine.registry import LayerRule
 
 def builtin_rules() -> dict[type, LayerRule]:
     """``{layer class: rule}`` for every layer dpcore has a rule for (exact classes)."""
+    from dpcore.rules.attention import MULTI_HEAD_ATTENTION
     from dpcore.rules.conv import CONV
     from dpcore.rules.dense import DENSE, EINSUM_DENSE
     from dpcore.rules.embedding import EMBEDDING
@@ -26,4 +27,5 @@ def builtin_rules() -> dict[type, LayerRule]:
         keras.layers.Embedding: EMBEDDING,
         keras.layers.LayerNormalization: LAYER_NORMALIZATION,
         keras.layers.GroupNormalization: GROUP_NORMALIZATION,
+        keras.layers.MultiHeadAttention: MULTI_HEAD_ATTENTION,
     }
