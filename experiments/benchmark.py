@@ -71,6 +71,11 @@ def _define_flags() -> None:
         "and marked so; they take minutes per step there.",
     )
     flags.DEFINE_integer("slow_steps", 3, "Timed steps for loop/jacobian rows (capped, marked).")
+    flags.DEFINE_float(
+        "step_budget_s",
+        60.0,
+        "Fewer timed steps (at least 3) where --steps of them would take longer than this.",
+    )
     flags.DEFINE_float("row_timeout_s", 600.0, "Wall-clock limit of one configuration's process.")
     flags.DEFINE_float("max_rss_mb", 12000.0, "A configuration whose RSS passes this is stopped.")
     flags.DEFINE_float("l2_norm_clip", 1.0, "Clip bound C of the DP step.")
@@ -358,6 +363,13 @@ def _gpu_memory(reset: bool = False) -> float | None:
     return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
 
 
+def planned_steps(steps: int, step_s: float, budget_s: float | None) -> int:
+    """Timed steps within a time budget: ``steps``, or fewer (at least ``min(steps, 3)``)."""
+    if budget_s is None or step_s <= 0:
+        return steps
+    return max(min(steps, 3), min(steps, int(budget_s / step_s)))
+
+
 def path_counts(paths: dict[str, str]) -> dict[str, int]:
     """How many variables each engine path computed."""
     counts: dict[str, int] = {}
@@ -373,11 +385,24 @@ def measure(
     *,
     steps: int,
     warmup: int,
+    step_budget_s: float | None = None,
     l2_norm_clip: float = 1.0,
     noise_multiplier: float = 1.0,
     learning_rate: float = 0.01,
 ) -> dict:
     """Times one configuration in this process.
+
+    Args:
+      model_name: one of ``MODELS``.
+      method: one of ``METHODS``.
+      batch_size: examples per step.
+      steps: timed steps (at most).
+      warmup: untimed calls first; the first traces.
+      step_budget_s: if set, fewer timed steps (never under ``min(steps, 3)``) when ``steps`` of
+        them would take longer than this, judged from the last warm-up step.
+      l2_norm_clip: clip bound of the DP methods.
+      noise_multiplier: noise multiplier of the DP methods.
+      learning_rate: SGD learning rate.
 
     Returns:
       A row with ``median_ms``, ``step_ms`` (every timed step), ``peak_rss_mb`` (whole process),
@@ -404,9 +429,12 @@ def measure(
     )
     t0 = time.perf_counter()
     loss = float(step(x, y))
-    trace_s = time.perf_counter() - t0
+    trace_s = last_s = time.perf_counter() - t0
     for _ in range(max(warmup - 1, 0)):
+        t0 = time.perf_counter()
         loss = float(step(x, y))
+        last_s = time.perf_counter() - t0
+    steps = planned_steps(steps, last_s, step_budget_s)
     rss_before_mb = (_proc_status_kb("VmRSS") or 0.0) / 1024
     hwm_reset = _reset_peak_rss()
     _gpu_memory(reset=True)
@@ -504,14 +532,15 @@ def child_main(spec: str) -> None:
                 batch_size,
                 steps=steps,
                 warmup=FLAGS.warmup,
+                step_budget_s=FLAGS.step_budget_s,
                 l2_norm_clip=FLAGS.l2_norm_clip,
                 noise_multiplier=FLAGS.noise_multiplier,
                 learning_rate=FLAGS.learning_rate,
             )
         )
         row["status"] = "ok"
-        if method in SLOW_METHODS and steps < FLAGS.steps:
-            row["note"] = f"capped: {steps} timed steps"
+        if row["steps_timed"] < FLAGS.steps:
+            row["note"] = f"capped: {row['steps_timed']} timed steps"
     except Exception as err:  # reported in the row, not raised: the run goes on
         row["status"] = "unavailable" if isinstance(err, ImportError) else "error"
         msg = [ln for ln in str(err).splitlines() if ln.strip()]
@@ -645,6 +674,7 @@ def _common_flags() -> list[str]:
         f"--steps={FLAGS.steps}",
         f"--warmup={FLAGS.warmup}",
         f"--slow_steps={FLAGS.slow_steps}",
+        f"--step_budget_s={FLAGS.step_budget_s}",
         f"--l2_norm_clip={FLAGS.l2_norm_clip}",
         f"--noise_multiplier={FLAGS.noise_multiplier}",
         f"--learning_rate={FLAGS.learning_rate}",
@@ -663,9 +693,14 @@ def run_benchmark() -> list[dict]:
         if m not in PEER_METHODS:
             raise app.UsageError(f"--peer_methods: unknown {m!r}; expected some of {PEER_METHODS}.")
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-    jobs = [("dpcore", *c) for c in _rows_plan(FLAGS.models, FLAGS.methods, batch_sizes)]
+    # Side by side: each (model, batch) runs dpcore's rows, then the peer's, non-private first.
+    jobs = []
+    for model in FLAGS.models:
+        for b in batch_sizes:
+            jobs += [("dpcore", *c) for c in _rows_plan([model], FLAGS.methods, [b])]
+            if FLAGS.peer:
+                jobs += [("peer", *c) for c in _rows_plan([model], FLAGS.peer_methods, [b])]
     if FLAGS.peer:
-        jobs += [("peer", *c) for c in _rows_plan(FLAGS.models, FLAGS.peer_methods, batch_sizes)]
         peer_py = peer_python()
         peer_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_bench.py")
     rows = []

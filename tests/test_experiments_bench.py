@@ -74,6 +74,14 @@ def test_measure_reports_a_row():
     assert np.isfinite(row["final_loss"])
 
 
+def test_planned_steps_keeps_at_least_three_within_budget():
+    assert benchmark.planned_steps(10, 0.5, None) == 10
+    assert benchmark.planned_steps(10, 0.5, 60.0) == 10
+    assert benchmark.planned_steps(10, 10.0, 60.0) == 6
+    assert benchmark.planned_steps(10, 100.0, 60.0) == 3
+    assert benchmark.planned_steps(2, 100.0, 60.0) == 2
+
+
 def test_add_ratios_and_tables():
     rows = [
         {"impl": "dpcore", "model": "mlp", "batch_size": 4, "method": "nonprivate"},
