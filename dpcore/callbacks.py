@@ -116,6 +116,7 @@ class EpsilonCallback(keras.callbacks.Callback):
         also_rdp: bool = False,
         report_poisson_assumption: bool = False,
         reshuffle_each_epoch: bool = True,
+        pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
     ) -> None:
         """Creates the callback.
 
@@ -130,13 +131,18 @@ class EpsilonCallback(keras.callbacks.Callback):
           report_poisson_assumption: shuffle only: also log `epsilon_assuming_poisson`,
             the Poisson figure (an assumption, not a guarantee).
           reshuffle_each_epoch: shuffle only: each Keras epoch starts a new pass.
+          pld_discretization: PLD value discretization interval (coarser: faster, still an
+            upper bound).
         """
         super().__init__()
         if not isinstance(config, DPConfig):
             raise ValueError(f"config must be a dpcore.config.DPConfig, got {config!r}.")
         self.config = config
         self.accountant = ev.check_choice(accountant, ev.ACCOUNTANTS, "accountant")
-        ev.make_accountant(accountant, neighboring=config.neighboring)
+        ev.make_accountant(
+            accountant, neighboring=config.neighboring, pld_discretization=pld_discretization
+        )
+        self.pld_discretization = pld_discretization
         self.target_delta = (
             config.target_delta if target_delta is None else ev.check_delta(target_delta)
         )
@@ -187,7 +193,9 @@ class EpsilonCallback(keras.callbacks.Callback):
 
     def epsilon(self) -> float:
         """ε of the ledger so far (after a `flush`)."""
-        return self.ledger.epsilon(self.target_delta, self.accountant)
+        return self.ledger.epsilon(
+            self.target_delta, self.accountant, pld_discretization=self.pld_discretization
+        )
 
     # ----------------------------------------------------------------------- callbacks
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -231,7 +239,10 @@ class EpsilonCallback(keras.callbacks.Callback):
             record["epsilon_rdp"] = self.ledger.epsilon(self.target_delta, "rdp")
         if self.report_poisson_assumption and self.config.sampling == "shuffle":
             record["epsilon_assuming_poisson"] = self.ledger.epsilon(
-                self.target_delta, self.accountant, assume_poisson=True
+                self.target_delta,
+                self.accountant,
+                assume_poisson=True,
+                pld_discretization=self.pld_discretization,
             )
         self.history.append(record)
         if logs is not None:
@@ -281,6 +292,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         accountant: str = "pld",
         target_delta: float | None = None,
         verbose: int = 1,
+        pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
     ) -> None:
         """Creates the guard.
 
@@ -291,6 +303,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
           accountant: `"pld"` (default) or `"rdp"`.
           target_delta: δ; default `config.target_delta`.
           verbose: 1 prints a line when it stops training.
+          pld_discretization: PLD value discretization interval (coarser: faster).
         """
         super().__init__()
         if not isinstance(config, DPConfig):
@@ -303,6 +316,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         )
         self.ledger = ledger
         self.verbose = int(verbose)
+        self.pld_discretization = pld_discretization
         self.max_steps: int | None = None  # total logical steps allowed (counter scale)
         self.stopped_at: int | None = None
         self._base = 0
@@ -317,6 +331,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
             sampling_prob=self.config.sampling_prob,
             accountant=self.accountant,
             ledger=spent,
+            pld_discretization=self.pld_discretization,
         )
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:

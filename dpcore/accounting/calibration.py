@@ -77,6 +77,7 @@ def calibrate_noise_multiplier(
     min_noise_multiplier: float = DEFAULT_MIN_NOISE,
     max_noise_multiplier: float = DEFAULT_MAX_NOISE,
     tol: float = 1e-5,
+    pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
 ) -> float:
     """The smallest σ (within `tol`) whose run satisfies (target_epsilon, target_delta)-DP.
 
@@ -92,6 +93,7 @@ def calibrate_noise_multiplier(
       min_noise_multiplier: lower end of the search range (> 0).
       max_noise_multiplier: upper end of the search range.
       tol: tolerance on σ.
+      pld_discretization: PLD value discretization interval (coarser: faster).
 
     Returns:
       σ with ε(σ) <= target_epsilon (never above it) and ε(σ - tol) > target_epsilon, or
@@ -114,7 +116,13 @@ def calibrate_noise_multiplier(
         raise ValueError(
             f"need 0 < min_noise_multiplier < max_noise_multiplier, got {lo!r} and {hi!r}."
         )
-    ev.make_accountant(accountant, neighboring=neighboring)  # validates the pair early
+
+    def fresh() -> dp_accounting.PrivacyAccountant:
+        return ev.make_accountant(
+            accountant, neighboring=neighboring, pld_discretization=pld_discretization
+        )
+
+    fresh()  # validates the accountant settings early
 
     def make_event(sigma: float) -> dp_accounting.DpEvent:
         return run_event(
@@ -126,9 +134,7 @@ def calibrate_noise_multiplier(
         )
 
     def epsilon_at(sigma: float) -> float:
-        return ev.compute_epsilon(
-            make_event(sigma), target_delta=delta, accountant=accountant, neighboring=neighboring
-        )
+        return float(fresh().compose(make_event(sigma)).get_epsilon(delta))
 
     if epsilon_at(hi) > eps:
         raise ValueError(
@@ -167,7 +173,7 @@ def calibrate_noise_multiplier(
         upper = lower
     sigma = float(
         dp_accounting.calibrate_dp_mechanism(
-            lambda: ev.make_accountant(accountant, neighboring=neighboring),
+            fresh,
             make_event,
             eps,
             delta,
@@ -241,6 +247,7 @@ def calibrate_steps(
     num_examples: int | None = None,
     ledger: PrivacyLedger | None = None,
     max_steps: int = DEFAULT_MAX_STEPS,
+    pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
 ) -> int:
     """The largest number of further logical steps that keeps the run within budget.
 
@@ -255,6 +262,7 @@ def calibrate_steps(
       num_examples: N; needed for shuffle (epoch length) unless `ledger` is given.
       ledger: steps already spent (resumed run); the answer counts only further steps.
       max_steps: search cap; returned when even that many steps fit.
+      pld_discretization: PLD value discretization interval (coarser: faster).
 
     Returns:
       n >= 0 such that the run with n further steps has ε <= target_epsilon and with n + 1
@@ -277,7 +285,13 @@ def calibrate_steps(
     else:
         base = ledger
     neighboring = base.neighboring
-    ev.make_accountant(accountant, neighboring=neighboring)  # validates the pair early
+
+    def fresh() -> dp_accounting.PrivacyAccountant:
+        return ev.make_accountant(
+            accountant, neighboring=neighboring, pld_discretization=pld_discretization
+        )
+
+    fresh()  # validates the accountant settings early
 
     def make_event(k: int) -> dp_accounting.DpEvent:
         trial = base.copy()
@@ -295,9 +309,6 @@ def calibrate_steps(
             ledger=base,
             max_steps=cap,
         )
-
-    def fresh() -> dp_accounting.PrivacyAccountant:
-        return ev.make_accountant(accountant, neighboring=neighboring)
 
     if base.sampling != "shuffle":
         return _largest_count(make_event, fresh, eps, delta, cap, hint=hint)

@@ -248,6 +248,7 @@ class PrivacyLedger:
         accountant: str = "pld",
         *,
         assume_poisson: bool = False,
+        pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
     ) -> float:
         """ε at δ = `target_delta` of everything recorded (0.0 when empty).
 
@@ -263,6 +264,7 @@ class PrivacyLedger:
             target_delta=delta,
             accountant=accountant,
             neighboring=self.neighboring,
+            pld_discretization=pld_discretization,
         )
 
     def delta(
@@ -271,6 +273,7 @@ class PrivacyLedger:
         accountant: str = "pld",
         *,
         assume_poisson: bool = False,
+        pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
     ) -> float:
         """δ at ε = `target_epsilon` of everything recorded (0.0 when empty).
 
@@ -285,6 +288,7 @@ class PrivacyLedger:
             target_epsilon=eps,
             accountant=accountant,
             neighboring=self.neighboring,
+            pld_discretization=pld_discretization,
         )
 
     # -------------------------------------------------------------------- serialization

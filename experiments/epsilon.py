@@ -1,0 +1,205 @@
+"""dpcore-epsilon: ε of a DP-SGD run, or the noise multiplier for a target ε.
+
+Contract: builds one `dpcore.config.DPConfig` from the flags and prints (and optionally writes
+as JSON) what dp-accounting says about its DpEvent. Give `--noise_multiplier` to get ε, or
+`--target_epsilon` to get the calibrated noise multiplier (and its ε). Shuffled batches get
+the sound no-amplification bound; `--poisson_assumption` adds the Poisson figure, labelled as
+an assumption. Bad flag values exit with a message naming the flag.
+
+Examples:
+  dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --noise_multiplier=1.1
+  dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --target_epsilon=3
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from typing import Any
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+    """Defines the flags (only when run as a program, so the module imports cleanly)."""
+    flags.DEFINE_integer("num_examples", None, "Dataset size N.")
+    flags.DEFINE_float(
+        "batch_size", None, "Expected logical batch size (Poisson) or fixed batch size (shuffle)."
+    )
+    flags.DEFINE_float("epochs", None, "Passes over the data (give this or --steps).")
+    flags.DEFINE_integer("steps", None, "Logical steps (give this or --epochs).")
+    flags.DEFINE_float("noise_multiplier", None, "σ (give this or --target_epsilon).")
+    flags.DEFINE_float("target_epsilon", None, "Calibrate σ for this ε instead.")
+    flags.DEFINE_float("delta", 1e-5, "δ.")
+    flags.DEFINE_enum("sampling", "poisson", ["poisson", "shuffle"], "Batch sampling scheme.")
+    flags.DEFINE_enum("accountant", "pld", ["pld", "rdp"], "dp-accounting accountant.")
+    flags.DEFINE_enum(
+        "neighboring", "add_remove", ["add_remove", "replace_one"], "Adjacency relation."
+    )
+    flags.DEFINE_boolean(
+        "poisson_assumption",
+        False,
+        "With --sampling=shuffle, also report ε as if batches were Poisson sampled (an "
+        "assumption, not a guarantee).",
+    )
+    flags.DEFINE_string("output_json", None, "Write the result as JSON to this path.")
+
+
+def compute(
+    *,
+    num_examples: int,
+    batch_size: float,
+    epochs: float | None,
+    steps: int | None,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    delta: float,
+    sampling: str,
+    accountant: str,
+    neighboring: str = "add_remove",
+    poisson_assumption: bool = False,
+) -> dict[str, Any]:
+    """The result dict the CLI prints/writes (also usable from Python)."""
+    from dpcore.config import DPConfig
+
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"give exactly one of --epochs or --steps, got {epochs!r} and {steps!r}.")
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError(
+            "give exactly one of --noise_multiplier or --target_epsilon, got "
+            f"{noise_multiplier!r} and {target_epsilon!r}."
+        )
+    fields: dict[str, Any] = dict(
+        l2_norm_clip=1.0,  # does not affect ε
+        expected_batch_size=batch_size,
+        num_examples=num_examples,
+        sampling=sampling,
+        target_delta=delta,
+        neighboring=neighboring,
+    )
+    if target_epsilon is not None:
+        config = DPConfig.calibrated(
+            target_epsilon=target_epsilon,
+            accountant=accountant,
+            steps=steps,
+            epochs=epochs,
+            **fields,
+        )
+    elif steps is not None:
+        config = DPConfig(noise_multiplier=noise_multiplier, steps=steps, **fields)
+    else:
+        config = DPConfig.from_epochs(epochs=epochs, noise_multiplier=noise_multiplier, **fields)
+    result: dict[str, Any] = {
+        "epsilon": config.epsilon(accountant),
+        "delta": config.target_delta,
+        "noise_multiplier": config.noise_multiplier,
+        "steps": config.steps,
+        "epochs": config.epochs,
+        "sampling_prob": config.sampling_prob,
+        "num_examples": config.num_examples,
+        "batch_size": config.expected_batch_size,
+        "accountant": accountant,
+        "sampling": config.sampling,
+        "neighboring": config.neighboring,
+        "target_epsilon": target_epsilon,
+        "calibrated": target_epsilon is not None,
+        "accounting": config.accounting_note(),
+        "dp_event": str(config.dp_event()),
+        "delta_warning": config.target_delta >= 1.0 / config.num_examples,
+    }
+    if poisson_assumption and config.sampling == "shuffle":
+        result["epsilon_assuming_poisson"] = config.epsilon(accountant, assume_poisson=True)
+        result["epsilon_assuming_poisson_note"] = (
+            "ASSUMPTION: as if batches were Poisson sampled with the same rate; shuffled "
+            "batches do not provably get this amplification."
+        )
+    return result
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """Human-readable lines for a `compute` result."""
+    lines = []
+    if result["calibrated"]:
+        lines.append(
+            f"noise_multiplier = {result['noise_multiplier']:.6f} (calibrated for "
+            f"epsilon <= {result['target_epsilon']})"
+        )
+    lines.append(
+        f"epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g} "
+        f"({result['accountant'].upper()}, {result['neighboring']} adjacency)"
+    )
+    lines.append(
+        f"N = {result['num_examples']}, batch = {result['batch_size']:g}, "
+        f"q = {result['sampling_prob']:.6g}, steps = {result['steps']}, "
+        f"epochs = {result['epochs']:.4g}, noise_multiplier = {result['noise_multiplier']:.6g}"
+    )
+    lines.append(f"accounting: {result['accounting']}")
+    if "epsilon_assuming_poisson" in result:
+        lines.append(
+            f"epsilon assuming Poisson sampling = {result['epsilon_assuming_poisson']:.4f} "
+            "(an assumption, not a guarantee)"
+        )
+    if result["delta_warning"]:
+        lines.append(
+            f"WARNING: delta = {result['delta']:g} >= 1/N = {1.0 / result['num_examples']:.3g}; "
+            "choose delta well below 1/N."
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.num_examples is None or FLAGS.batch_size is None:
+        raise app.UsageError("--num_examples and --batch_size are required.")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # δ >= 1/N is reported below
+            result = compute(
+                num_examples=FLAGS.num_examples,
+                batch_size=FLAGS.batch_size,
+                epochs=FLAGS.epochs,
+                steps=FLAGS.steps,
+                noise_multiplier=FLAGS.noise_multiplier,
+                target_epsilon=FLAGS.target_epsilon,
+                delta=FLAGS.delta,
+                sampling=FLAGS.sampling,
+                accountant=FLAGS.accountant,
+                neighboring=FLAGS.neighboring,
+                poisson_assumption=FLAGS.poisson_assumption,
+            )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_result(result))
+    if FLAGS.output_json:
+        directory = os.path.dirname(os.path.abspath(FLAGS.output_json))
+        os.makedirs(directory, exist_ok=True)
+        with open(FLAGS.output_json, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    k: (None if isinstance(v, float) and math.isinf(v) else v)
+                    for k, v in result.items()
+                }
+                | {"epsilon_is_infinite": math.isinf(result["epsilon"])},
+                f,
+                indent=2,
+                sort_keys=True,
+            )
+    return 0
+
+
+def run() -> None:
+    """Console-script entry point (`dpcore-epsilon`)."""
+    if "num_examples" not in FLAGS:
+        _define_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
