@@ -84,6 +84,7 @@ def test_zoo_models(name, rng):
     check_model(model, x, y)
 
 
+@pytest.mark.slow
 def test_mlp_input_gradients_and_xla(rng):
     model = BUILDERS["mlp"]()
     x, y = batch_for("mlp", 3, rng)
@@ -103,6 +104,7 @@ def _transformer(seq=6, d=16, heads=2, vocab=30, classes=3, blocks=2):
     return keras.Model(inputs, keras.layers.Dense(classes)(h), name="transformer")
 
 
+@pytest.mark.slow
 def test_transformer_encoder(rng):
     model = _transformer()
     x = rng.integers(0, 30, (3, 6)).astype("int32")
@@ -221,3 +223,15 @@ def test_cross_and_causal_attention(rng):
     model = keras.Model([q_in, v_in], keras.layers.Dense(3)(h))
     x = [rng.normal(size=(3, 4, 6)).astype("float32"), rng.normal(size=(3, 5, 6)).astype("float32")]
     check_model(model, x, rng.integers(0, 3, 3))
+
+
+def test_embedding_mask_zero_propagates_keras_mask(rng):
+    """Keras masks from a rule layer (Embedding mask_zero) still reach masked pooling."""
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    h = keras.layers.Dense(5, activation="tanh")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    x = rng.integers(1, 10, (4, 6)).astype("int32")
+    x[:, 4:] = 0  # padding tokens: the pooled average must ignore them
+    check_model(model, x, rng.integers(0, 3, 4))
