@@ -1,0 +1,216 @@
+"""dpcore.callbacks with a tiny plain Keras model (no DP optimizer needed)."""
+
+import glob
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpcore import accounting as acc
+from dpcore.accounting import calibration
+from dpcore.callbacks import EpsilonCallback, PrivacyBudgetGuard
+from dpcore.config import DPConfig
+
+N, B = 32, 8
+FAST = 1e-3
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 3)).astype("float32"), rng.normal(size=(N, 1)).astype("float32")
+
+
+def _model(optimizer=None):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def _config(**kw):
+    base = dict(
+        l2_norm_clip=1.0,
+        noise_multiplier=2.0,
+        expected_batch_size=B,
+        num_examples=N,
+        steps=100,
+        target_delta=1e-3,
+    )
+    return DPConfig(**{**base, **kw})
+
+
+class CountingSGD(keras.optimizers.SGD):
+    """Stands in for a DP optimizer: exposes `dp_steps` (one logical step per 2 applies)
+    and a Python `noise_multiplier`."""
+
+    def __init__(self, noise_multiplier=2.0, **kw):
+        super().__init__(learning_rate=0.01, **kw)
+        self.noise_multiplier = noise_multiplier
+        self.dp_steps = self.add_variable(shape=(), dtype="int64", name="dp_steps")
+
+    def apply(self, grads, trainable_variables=None):
+        super().apply(grads, trainable_variables)
+        self.dp_steps.assign_add(tf.cast(tf.equal(self.iterations % 2, 0), tf.int64))
+
+
+def _eps(event, accountant="pld"):
+    return acc.compute_epsilon(
+        event, target_delta=1e-3, accountant=accountant, pld_discretization=FAST
+    )
+
+
+def test_epsilon_in_logs_history_tensorboard_and_ledger_file(tmp_path):
+    x, y = _data()
+    cfg = _config()
+    cb = EpsilonCallback(
+        cfg,
+        log_dir=str(tmp_path / "tb"),
+        ledger_path=str(tmp_path / "ledger.json"),
+        pld_discretization=FAST,
+        also_rdp=True,
+    )
+    history = _model().fit(x, y, batch_size=B, epochs=3, callbacks=[cb], verbose=0).history
+    eps = history["epsilon"]
+    assert len(eps) == 3 and eps[0] < eps[1] < eps[2]
+    for epoch, value in enumerate(eps):
+        steps = 4 * (epoch + 1)
+        event = acc.poisson_event(noise_multiplier=2.0, sampling_prob=B / N, steps=steps)
+        assert value == _eps(event)
+        assert history["epsilon_rdp"][epoch] == _eps(event, "rdp")
+    assert cb.ledger.steps == 12
+
+    # TensorBoard scalars hold the same values.
+    files = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    assert files
+    seen = {}
+    for path in files:
+        for record in tf.compat.v1.train.summary_iterator(path):
+            for v in record.summary.value:
+                if v.tag == "epsilon":
+                    seen[record.step] = float(tf.make_ndarray(v.tensor))
+    assert sorted(seen) == [0, 1, 2]
+    np.testing.assert_allclose([seen[i] for i in range(3)], eps, rtol=1e-6)
+
+    # The ledger file restores to the same ε, and a resumed fit continues it.
+    saved = json.loads((tmp_path / "ledger.json").read_text())
+    restored = acc.PrivacyLedger.from_dict(saved["ledger"])
+    assert restored.epsilon(1e-3, pld_discretization=FAST) == eps[-1]
+    assert DPConfig.from_dict(saved["config"]) == cfg
+    resumed = EpsilonCallback(cfg, ledger=restored, pld_discretization=FAST)
+    more = _model().fit(x, y, batch_size=B, epochs=1, callbacks=[resumed], verbose=0)
+    assert restored.steps == 16
+    event = acc.poisson_event(noise_multiplier=2.0, sampling_prob=B / N, steps=16)
+    assert more.history["epsilon"][0] == _eps(event)
+
+
+def test_counts_optimizer_dp_steps_and_records_a_sigma_schedule():
+    x, y = _data()
+    opt = CountingSGD(noise_multiplier=2.0)
+    model = _model(opt)
+
+    def schedule(epoch, logs=None):
+        opt.noise_multiplier = 2.0 if epoch == 0 else 4.0
+
+    cb = EpsilonCallback(_config(), pld_discretization=FAST)
+    history = model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=2,
+        callbacks=[keras.callbacks.LambdaCallback(on_epoch_begin=schedule), cb],
+        verbose=0,
+    ).history
+    assert int(opt.dp_steps.numpy()) == 4  # 8 batches, one logical step per 2
+    assert cb.ledger.segments == [
+        {"noise_multiplier": 2.0, "sampling_prob": B / N, "steps": 2},
+        {"noise_multiplier": 4.0, "sampling_prob": B / N, "steps": 2},
+    ]
+    assert history["epsilon"][-1] == _eps(cb.ledger.dp_event())
+
+
+def test_optimizer_ahead_of_the_ledger_is_synced_with_a_warning():
+    x, y = _data()
+    opt = CountingSGD(noise_multiplier=2.0)
+    model = _model(opt)
+    opt.dp_steps.assign(5)
+    cb = EpsilonCallback(_config(), pld_discretization=FAST)
+    with pytest.warns(UserWarning, match="missing"):
+        model.fit(x, y, batch_size=B, epochs=1, callbacks=[cb], verbose=0)
+    assert cb.ledger.steps == int(opt.dp_steps.numpy()) == 7
+
+
+def test_shuffle_mode_counts_one_gaussian_per_keras_epoch():
+    x, y = _data()
+    cfg = _config(sampling="shuffle", noise_multiplier=5.0)
+    cb = EpsilonCallback(cfg, pld_discretization=FAST, report_poisson_assumption=True)
+    history = _model().fit(x, y, batch_size=B, epochs=3, callbacks=[cb], verbose=0).history
+    assert cb.ledger.epochs == 3
+    sound = acc.shuffle_event(noise_multiplier=5.0, steps_per_epoch=4, steps=12)
+    assert history["epsilon"][-1] == _eps(sound)
+    assumed = acc.poisson_event(noise_multiplier=5.0, sampling_prob=B / N, steps=12)
+    assert history["epsilon_assuming_poisson"][-1] == _eps(assumed)
+    assert history["epsilon"][-1] > history["epsilon_assuming_poisson"][-1]
+
+
+def test_budget_guard_stops_before_exceeding_the_target():
+    x, y = _data()
+    cfg = _config(noise_multiplier=4.0)
+    target = 1.2
+    opt = keras.optimizers.SGD(0.01)
+    model = _model(opt)
+    guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, accountant="rdp", verbose=0)
+    model.fit(x, y, batch_size=B, epochs=50, callbacks=[guard], verbose=0)
+    done = int(opt.iterations.numpy())
+    assert 0 < done < 100
+    assert done == guard.max_steps == guard.stopped_at
+
+    def eps(steps):
+        return _eps(
+            acc.poisson_event(noise_multiplier=4.0, sampling_prob=B / N, steps=steps), "rdp"
+        )
+
+    assert eps(done) <= target < eps(done + 1)
+
+
+def test_budget_guard_counts_spent_steps_and_refuses_an_exhausted_budget():
+    x, y = _data()
+    cfg = _config(noise_multiplier=4.0)
+    spent = cfg.new_ledger()
+    spent.record_steps(10, noise_multiplier=4.0, sampling_prob=B / N)
+    guard = PrivacyBudgetGuard(
+        target_epsilon=1.2, config=cfg, ledger=spent, accountant="rdp", verbose=0
+    )
+    opt = keras.optimizers.SGD(0.01)
+    _model(opt).fit(x, y, batch_size=B, epochs=50, callbacks=[guard], verbose=0)
+    fresh = calibration.calibrate_steps(
+        target_epsilon=1.2,
+        target_delta=1e-3,
+        noise_multiplier=4.0,
+        sampling_prob=B / N,
+        accountant="rdp",
+        num_examples=N,
+    )
+    assert int(opt.iterations.numpy()) == fresh - 10
+    assert spent.steps == 10  # the guard does not modify the caller's ledger
+
+    spent.record_steps(10_000, noise_multiplier=4.0, sampling_prob=B / N)
+    guard = PrivacyBudgetGuard(
+        target_epsilon=1.2, config=cfg, ledger=spent, accountant="rdp", verbose=0
+    )
+    with pytest.raises(RuntimeError, match="budget exhausted"):
+        _model().fit(x, y, batch_size=B, epochs=1, callbacks=[guard], verbose=0)
+
+
+def test_callbacks_reject_bad_arguments():
+    cfg = _config()
+    with pytest.raises(ValueError, match="config"):
+        EpsilonCallback({"noise_multiplier": 1.0})
+    with pytest.raises(ValueError, match=r"accountant.*gdp"):
+        EpsilonCallback(cfg, accountant="gdp")
+    with pytest.raises(ValueError, match="does not match"):
+        EpsilonCallback(cfg, ledger=acc.PrivacyLedger(num_examples=N + 1))
+    with pytest.raises(ValueError, match=r"target_epsilon.*0"):
+        PrivacyBudgetGuard(target_epsilon=0, config=cfg)
+    assert not os.path.exists("ledger.json")

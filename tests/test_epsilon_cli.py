@@ -1,0 +1,121 @@
+"""experiments/epsilon.py (the `dpcore-epsilon` console script)."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from dpcore_experiments import epsilon as cli
+
+from dpcore import accounting as acc
+
+CLASSIC = dict(num_examples=60000, batch_size=256, epochs=60, steps=None, delta=1e-5)
+
+
+def test_compute_matches_the_accountant_and_has_the_documented_keys():
+    result = cli.compute(
+        noise_multiplier=1.1, target_epsilon=None, sampling="poisson", accountant="rdp", **CLASSIC
+    )
+    for key in (
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "steps",
+        "sampling_prob",
+        "accountant",
+        "sampling",
+    ):
+        assert key in result
+    assert result["steps"] == math.ceil(60 * 60000 / 256)
+    assert result["epsilon"] == pytest.approx(2.597, abs=1e-3)
+    assert result["epsilon"] == acc.compute_epsilon(
+        acc.poisson_event(noise_multiplier=1.1, sampling_prob=256 / 60000, steps=result["steps"]),
+        target_delta=1e-5,
+        accountant="rdp",
+    )
+    assert "epsilon_assuming_poisson" not in result
+    json.dumps(result)  # JSON-ready
+
+
+def test_shuffle_reports_the_sound_bound_and_labels_the_poisson_assumption():
+    kw = dict(num_examples=1000, batch_size=100, epochs=None, steps=40, delta=1e-5)
+    result = cli.compute(
+        noise_multiplier=4.0,
+        target_epsilon=None,
+        sampling="shuffle",
+        accountant="rdp",
+        poisson_assumption=True,
+        **kw,
+    )
+    sound = acc.shuffle_event(noise_multiplier=4.0, steps_per_epoch=10, steps=40)
+    assert result["epsilon"] == acc.compute_epsilon(sound, target_delta=1e-5, accountant="rdp")
+    assert result["epsilon_assuming_poisson"] < result["epsilon"]
+    assert "ASSUMPTION" in result["epsilon_assuming_poisson_note"]
+    text = cli.format_result(result)
+    assert "without amplification" in text and "an assumption" in text
+
+
+def test_target_epsilon_prints_a_calibrated_noise_multiplier():
+    kw = dict(num_examples=5000, batch_size=50, epochs=None, steps=300, delta=1e-5)
+    result = cli.compute(
+        noise_multiplier=None, target_epsilon=2.0, sampling="poisson", accountant="rdp", **kw
+    )
+    assert result["calibrated"] and result["epsilon"] <= 2.0
+    event = acc.poisson_event(
+        noise_multiplier=0.99 * result["noise_multiplier"], sampling_prob=0.01, steps=300
+    )
+    assert acc.compute_epsilon(event, target_delta=1e-5, accountant="rdp") > 2.0
+    assert "calibrated" in cli.format_result(result)
+
+
+def test_compute_rejects_ambiguous_or_bad_input():
+    with pytest.raises(ValueError, match="--noise_multiplier or --target_epsilon"):
+        cli.compute(
+            noise_multiplier=1.0,
+            target_epsilon=1.0,
+            sampling="poisson",
+            accountant="rdp",
+            **CLASSIC,
+        )
+    with pytest.raises(ValueError, match="--epochs or --steps"):
+        cli.compute(
+            noise_multiplier=1.0,
+            target_epsilon=None,
+            sampling="poisson",
+            accountant="rdp",
+            **{**CLASSIC, "steps": 10},
+        )
+    with pytest.raises(ValueError, match=r"target_delta.*1\.5"):
+        cli.compute(
+            noise_multiplier=1.0,
+            target_epsilon=None,
+            sampling="poisson",
+            accountant="rdp",
+            **{**CLASSIC, "delta": 1.5},
+        )
+
+
+def _script() -> list[str]:
+    exe = shutil.which("dpcore-epsilon", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "dpcore_experiments.epsilon"]
+
+
+@pytest.mark.slow
+def test_console_script_writes_json(tmp_path):
+    out = tmp_path / "eps.json"
+    args = ["--num_examples=60000", "--batch_size=256", "--epochs=60", "--noise_multiplier=1.1"]
+    done = subprocess.run(
+        _script() + args + ["--accountant=rdp", f"--output_json={out}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "epsilon = 2.5967" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["epsilon"] == pytest.approx(2.597, abs=1e-3)
+    assert data["accountant"] == "rdp" and data["sampling"] == "poisson"
+    assert data["steps"] == 14063 and data["delta"] == 1e-5
