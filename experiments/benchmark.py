@@ -731,7 +731,16 @@ def run_benchmark() -> list[dict]:
             flush=True,
         )
         rows.append(row)
+        if FLAGS.json:  # rows so far, so an interrupted run keeps what it measured
+            _write_json(FLAGS.json, add_ratios([dict(r) for r in rows]))
     return add_ratios(rows)
+
+
+def _write_json(path: str, rows: list[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -743,8 +752,7 @@ def main(argv: Sequence[str]) -> None:
     tables = format_tables(rows)
     print(tables)
     if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        _write_json(FLAGS.json, rows)
     if FLAGS.markdown:
         with open(FLAGS.markdown, "w") as f:
             f.write(tables)
