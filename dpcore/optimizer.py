@@ -16,6 +16,9 @@ Contract:
 - A logical step ends every ``accumulation_steps`` calls, or when the caller's ``step_end`` is True
   (the Poisson sampler marks the last chunk of a step). The decision is a ``tf.cond``: a compiled
   training step traces once.
+- Under a multi-replica ``tf.distribute`` strategy each replica clips its own examples, the clipped
+  sums are all-reduced, and every replica adds the same noise (same seed), so noise is added
+  exactly once per global step and normalized by the global ``expected_batch_size``.
 - :func:`dp_step` / :func:`dp_train_step` are the custom-training-loop entry: per-example
   gradients (:func:`dpcore.engine.summarize`), clipping (:func:`dpcore.aggregation.clip`) and the
   optimizer update in one call, meant to run inside the user's ``tf.function``.
@@ -67,6 +70,11 @@ def _normalize_seed(seed: int | Sequence[int] | None) -> list[int] | None:
     if len(seed) != 2:
         raise ValueError(f"seed must be an int or a pair of ints, got {seed!r}.")
     return seed
+
+
+def _slot_name(variable: Any, suffix: str) -> str:
+    base = getattr(variable, "path", None) or str(variable.name)
+    return f"{base.replace('/', '_').replace(':', '_')}_{suffix}"
 
 
 def _check_inner(inner: Any) -> keras.optimizers.Optimizer:
@@ -200,10 +208,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
             shape=(2,),
             dtype="int64",
             initializer=lambda shape, dtype=None: tf.constant(initial_seed, tf.int64),
+            aggregation="only_first_replica",
             name="noise_seed",
         )
-        self.dp_steps = self.add_variable(shape=(), dtype="int64", name="dp_steps")
-        self.micro_steps = self.add_variable(shape=(), dtype="int64", name="micro_steps")
+        self.dp_steps = self.add_variable(
+            shape=(), dtype="int64", aggregation="only_first_replica", name="dp_steps"
+        )
+        self.micro_steps = self.add_variable(
+            shape=(), dtype="int64", aggregation="only_first_replica", name="micro_steps"
+        )
         self._accumulators: list[Any] = []
 
     # ----------------------------------------------------------------------------- state
@@ -216,8 +229,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
             raise ValueError(
                 "DPOptimizer.build got no variables: the model has no trainable variables."
             )
-        accumulators = [
-            self.add_variable_from_reference(v, name="dp_accumulator") for v in var_list
+        # Replicas hold identical (all-reduced) sums, so the first replica's value is the value.
+        accumulators: list[Any] = [
+            self.add_variable(
+                shape=v.shape,
+                dtype=v.dtype,
+                aggregation="only_first_replica",
+                name=_slot_name(v, "dp_accumulator"),
+            )
+            for v in var_list
         ]
         self._accumulators = accumulators
         self.inner_optimizer.build(var_list)
@@ -286,19 +306,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
         Raises:
           ValueError: for mismatched gradients/variables or a sensitivity that changes between
             micro-steps.
-          NotImplementedError: under a multi-replica ``tf.distribute`` strategy.
+          ValueError: under a multi-replica strategy, when called outside ``strategy.run``.
 
         Privacy:
           Noise ``N(0, (σ · clipped.l2_sensitivity)^2)`` is added once to the summed micro-batches
           of a logical step, then divided by ``expected_batch_size``. Micro-batches of one logical
           step must be disjoint.
         """
-        strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync > 1:
-            raise NotImplementedError(
-                "DPOptimizer does not yet support multi-replica tf.distribute strategies: the "
-                "inner optimizer would all-reduce separately noised gradients. Train on one "
-                "replica."
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1 and tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "DPOptimizer.apply_clipped_sum must run in a replica context (inside "
+                "strategy.run) under a multi-replica tf.distribute strategy."
             )
         if variables is None:
             if not self.built:
@@ -329,6 +348,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"{known} of earlier steps: every step of one optimizer must use the same bound."
             )
         self._sensitivity = clipped.l2_sensitivity
+        if replicas > 1:
+            # Each replica clipped its own examples; the logical step's sum is over all of them.
+            grads = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(g) for g in grads]
+            )
         # Nothing non-finite may reach the accumulators or the weights: CheckNumerics gates every
         # downstream op, so a bad batch fails the step before any variable changes.
         grads = [
@@ -378,15 +402,31 @@ class DPOptimizer(keras.optimizers.Optimizer):
         else:
             end = step_end
 
-        def finish() -> None:
+        def finish(totals: Sequence[tf.Tensor]) -> None:
             self._finish(clipped, totals, variables, accumulators=accumulators)
 
-        def accumulate() -> None:
+        def accumulate(totals: Sequence[tf.Tensor]) -> None:
             for a, t in zip(accumulators, totals):
                 a.assign(t)
             self.micro_steps.assign_add(1)
 
-        tf.cond(end, finish, accumulate)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas == 1 or tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(end, lambda: finish(totals), lambda: accumulate(totals))
+            return
+
+        # The inner optimizer synchronizes replicas (merge_call), which a tf.cond in replica
+        # context cannot contain: branch in cross-replica context, then run each branch on every
+        # replica (the pattern keras.optimizers.LossScaleOptimizer uses).
+        def branch(distribution: Any, end: Any, totals: Any) -> None:
+            end = distribution.experimental_local_results(end)[0]
+            tf.cond(
+                end,
+                lambda: distribution.extended.call_for_each_replica(finish, args=(totals,)),
+                lambda: distribution.extended.call_for_each_replica(accumulate, args=(totals,)),
+            )
+
+        tf.distribute.get_replica_context().merge_call(branch, args=(end, totals))
 
     def _finish(
         self,
@@ -403,7 +443,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             expected_batch_size=self.expected_batch_size,
             seed=self.step_seed(),
         )
-        noised = [tf.cast(n, v.dtype) for n, v in zip(noised, variables)]
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        # Every replica holds the same noised sum (same all-reduced input, same seed); the inner
+        # Keras optimizer all-reduces (sums) its gradients across replicas, so hand it 1/R each.
+        noised = [tf.cast(n / replicas, v.dtype) for n, v in zip(noised, variables)]
         self.inner_optimizer.apply(noised, variables)
         if accumulators is not None:
             for a in accumulators:

@@ -393,7 +393,8 @@ def test_get_config_from_config_round_trip():
     assert isinstance(revived, DPOptimizer) and revived.get_config() == config
 
 
-def test_checkpoint_keeps_noise_state(tmp_path):
+@pytest.mark.parametrize("build_first", [True, False])
+def test_checkpoint_keeps_noise_state(tmp_path, build_first):
     model = wide_model()
     opt = make_opt(keras.optimizers.SGD(1.0, momentum=0.5), noise_multiplier=1.0)  # OS entropy
     earlier = [noise_only_delta(opt, model) for _ in range(2)]
@@ -402,9 +403,12 @@ def test_checkpoint_keeps_noise_state(tmp_path):
 
     fresh_model = wide_model()
     fresh = make_opt(keras.optimizers.SGD(1.0, momentum=0.5), noise_multiplier=1.0)
-    fresh.build(fresh_model.trainable_variables)
     assert not np.array_equal(fresh.noise_seed.numpy(), opt.noise_seed.numpy())
-    tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
+    if build_first:
+        fresh.build(fresh_model.trainable_variables)
+        tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
+    else:  # deferred restoration: slots are filled when the first step builds the optimizer
+        tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path)
     assert int(fresh.dp_steps) == 2
     restored_next = noise_only_delta(fresh, fresh_model)
     np.testing.assert_array_equal(restored_next, original_next)
@@ -462,3 +466,91 @@ def test_warning_free_default_construction():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_opt(keras.optimizers.Adam())
+
+
+_DISTRIBUTED_SCRIPT = r"""
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import numpy as np
+from dpcore.optimizer import DPOptimizer, dp_train_step
+from dpcore.testing import reference_clipped_mean, reference_per_example_gradients
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def model_fn(d=5):
+    init = keras.initializers.GlorotUniform(seed=0)
+    return keras.Sequential([keras.Input((d,)), keras.layers.Dense(3, kernel_initializer=init)])
+
+
+def run(model, opt, elements):
+    w0 = [v.numpy() for v in model.trainable_variables]
+
+    @tf.function
+    def step(x, y, m):
+        return strategy.run(
+            lambda a, b, c: dp_train_step(model, LOSS, a, b, optimizer=opt, mask=c), args=(x, y, m)
+        )
+
+    ds = tf.data.Dataset.from_tensor_slices(elements).batch(len(elements[0]) // opt.accumulation_steps)
+    for batch in strategy.experimental_distribute_dataset(ds):
+        step(*batch)
+    return [a - v.numpy() for a, v in zip(w0, model.trainable_variables)]
+
+
+rng = np.random.default_rng(0)
+x = (3 * rng.normal(size=(8, 5))).astype("float32")
+y = rng.integers(0, 3, 8).astype("int32")
+ref = reference_clipped_mean(
+    reference_per_example_gradients(model_fn(), LOSS, x, y, training=True),
+    l2_norm_clip=0.5,
+    expected_batch_size=8,
+)
+with strategy.scope():
+    model = model_fn()
+    opt = DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=8,
+        accumulation_steps=2,
+    )
+    opt.build(model.trainable_variables)
+got = run(model, opt, (x, y, np.ones(8, "float32")))
+err = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
+
+with strategy.scope():
+    wide = model_fn(300)
+    noisy = DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4,
+        seed=1,
+    )
+    noisy.build(wide.trainable_variables)
+delta = np.concatenate(
+    [d.ravel() for d in run(wide, noisy, (np.ones((4, 300), "float32"), np.zeros(4, "int32"),
+                                           np.zeros(4, "float32")))]
+)
+same = all(
+    np.array_equal(*[t.numpy() for t in v.value.values]) for v in wide.trainable_variables
+)
+print("RESULT", err, float(delta.std()), delta.size, same, int(opt.dp_steps.numpy()))
+"""
+
+
+@pytest.mark.slow
+def test_two_replicas_sum_clipped_grads_and_add_noise_once():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _DISTRIBUTED_SCRIPT], capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, out.stderr[-3000:]
+    err, std, n, same, steps = lines[0].split()[1:]
+    assert float(err) < 1e-6  # accumulated, all-reduced clipped mean equals the reference
+    target = 1.0 * 1.0 / 4  # sigma * C / expected_batch_size: noise added once, not per replica
+    assert abs(float(std) - target) < 4 * target / math.sqrt(2 * int(n))
+    assert same == "True" and steps == "1"
