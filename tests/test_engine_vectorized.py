@@ -163,3 +163,20 @@ def test_per_example_gradients_chunked_equal_unchunked(rng):
         _close(a, b)
     with pytest.raises(ValueError, match="chunk_size"):
         engine.per_example_gradients(model, LOSS, x, y, chunk_size=0)
+
+
+def test_nonfinite_check_gates_the_update_in_a_compiled_step(rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", 4, rng)
+    x[0, 0] = np.inf
+    var = model.trainable_variables[0]
+    before = var.numpy()
+
+    @tf.function
+    def step(x, y):
+        g = engine.per_example_gradients(model, LOSS, x, y)
+        var.assign_sub(tf.reduce_sum(g[0], 0))
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or Inf"):
+        step(x, y)
+    np.testing.assert_array_equal(var.numpy(), before)

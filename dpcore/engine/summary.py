@@ -117,13 +117,16 @@ def prepare_batch(
     leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
     finite = tf.reduce_all(tf.stack([_all_finite_rows(t) for t in leaves], 0), 0)
     if nonfinite == "raise":
-        tf.debugging.Assert(
+        check = tf.debugging.Assert(
             tf.reduce_all(finite | (mask <= 0)),
             [
                 "dpcore: NaN or Inf in the batch inputs/labels; pass nonfinite='skip' to drop such "
                 "examples instead"
             ],
         )
+        # Everything downstream (and so every weight update) depends on the check having passed.
+        with tf.control_dependencies([check]):
+            mask = tf.identity(mask)
     else:
         mask = mask * tf.cast(finite, tf.float32)
     # Padded and skipped rows are zeroed so that their (zero-weighted) gradients stay finite.
