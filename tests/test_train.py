@@ -20,7 +20,8 @@ def _settings(tmp_path=None, **overrides):
         learning_rate=0.5,
         momentum=0.9,
         l2_norm_clip=1.0,
-        noise_multiplier=1.0,
+        noise_multiplier=2.0,
+        target_epsilon=None,
         seed=0,
         verbose=0,
         output_dir=None if tmp_path is None else str(tmp_path),
@@ -49,9 +50,12 @@ def test_settings_validation():
         _settings(dataset="cifar")
     with pytest.raises(ValueError, match="noise_multiplier or --target_epsilon"):
         _settings(noise_multiplier=None)
+    with pytest.raises(ValueError, match="not both"):
+        _settings(target_epsilon=3.0)
     with pytest.raises(ValueError, match="output_dir"):
         _settings(resume=True)
     _settings(dp=False, noise_multiplier=None)  # a baseline needs no noise
+    assert train.TrainSettings().target_epsilon == 3.0  # the main job calibrates to ε = 3
 
 
 def test_non_private_baseline_writes_results(tmp_path):
@@ -103,3 +107,74 @@ def test_cli_help_lists_flags():
     )
     for flag in ("--dataset", "--target_epsilon", "--sampling", "--resume", "--noise_multiplier"):
         assert flag in out.stdout
+
+
+def _weights(output_dir):
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(os.path.join(output_dir, train.CHECKPOINT_DIR))
+    names = sorted(
+        k for k in reader.get_variable_to_shape_map() if k.startswith("model_variables/")
+    )
+    return {k: reader.get_tensor(k) for k in names}
+
+
+def test_dp_run_records_event_and_epsilon(tmp_path):
+    from dpcore.config import DPConfig
+
+    settings = _settings(tmp_path, epochs=2, batch_size=256)
+    results = train.run_training(settings)
+    privacy = results["privacy"]
+    plan = results["plan"]
+    assert plan["steps_per_epoch"] == 6 and plan["total_steps"] == 12
+    assert "PoissonSampledDpEvent" in privacy["dp_event"]
+    assert "count=12" in privacy["dp_event"]
+    expected = DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=2.0,
+        expected_batch_size=256.0,
+        num_examples=1438,
+        steps=12,
+        sampling="poisson",
+        target_delta=1e-5,
+    )
+    assert privacy["epsilon_pld"] == pytest.approx(expected.epsilon(accountant="pld"), rel=1e-9)
+    assert privacy["epsilon_rdp"] == pytest.approx(expected.epsilon(accountant="rdp"), rel=1e-9)
+    eps = [e["epsilon"] for e in results["epochs"]]
+    assert 0 < eps[0] < eps[1] == privacy["epsilon"]
+    assert results["completed"] is True
+
+
+def test_target_epsilon_calibrates_noise(tmp_path):
+    settings = _settings(
+        tmp_path, epochs=1, batch_size=256, noise_multiplier=None, target_epsilon=2.0
+    )
+    results = train.run_training(settings)
+    assert results["privacy"]["epsilon"] <= 2.0
+    assert results["privacy"]["epsilon"] == pytest.approx(2.0, abs=0.05)
+    assert results["plan"]["noise_multiplier"] > 0
+
+
+@pytest.mark.slow
+def test_dp_resume_matches_uninterrupted_run(tmp_path):
+    full_dir, split_dir = tmp_path / "full", tmp_path / "split"
+    full = train.run_training(_settings(full_dir, epochs=2, batch_size=256))
+    first = train.run_training(_settings(split_dir, epochs=2, batch_size=256, stop_after_epochs=1))
+    assert first["completed"] is False
+    resumed = train.run_training(_settings(split_dir, epochs=2, batch_size=256, resume=True))
+    assert resumed["completed"] is True
+    assert resumed["privacy"]["epsilon"] == full["privacy"]["epsilon"]
+    assert resumed["privacy"]["dp_event"] == full["privacy"]["dp_event"]
+    # With a fixed seed the resumed run continues the same samples and noise (restored optimizer
+    # noise state, sampler step offset): it ends at the same weights as the uninterrupted run.
+    w_full, w_split = _weights(full_dir), _weights(split_dir)
+    assert w_full.keys() == w_split.keys() and w_full
+    for name in w_full:
+        np.testing.assert_allclose(w_split[name], w_full[name], rtol=1e-5, atol=1e-6)
+
+
+def test_shuffle_mode_reports_no_amplification_bound(tmp_path):
+    results = train.run_training(_settings(tmp_path, epochs=1, batch_size=256, sampling="shuffle"))
+    assert results["plan"]["steps_per_epoch"] == 6
+    assert "PoissonSampled" not in results["privacy"]["dp_event"]
+    assert "no Poisson amplification" in results["privacy"]["accounting"]
