@@ -235,3 +235,18 @@ def test_embedding_mask_zero_propagates_keras_mask(rng):
     x = rng.integers(1, 10, (4, 6)).astype("int32")
     x[:, 4:] = 0  # padding tokens: the pooled average must ignore them
     check_model(model, x, rng.integers(0, 3, 4))
+
+
+def test_summary_paths_name_layers_like_explain(rng):
+    model = _transformer(blocks=1)
+    x, y = rng.integers(0, 30, (2, 6)).astype("int32"), rng.integers(0, 3, 2)
+    xp, yp, sw, mk = prepare_batch(x, y)
+    s = ghost.fast_summary(
+        model, per_example_loss_fn(LOSS), xp, yp, sw, mk, model.trainable_variables, training=False
+    )
+    report = explain(model).paths()
+    for name, path in s.paths.items():
+        top = name.split("/")[0]
+        assert top in report and path in ("ghost", "materialized"), (name, path)
+    mha = next(r.name for r in explain(model).rows if r.cls == "MultiHeadAttention")
+    assert s.paths[f"{mha}/query"] == "ghost"

@@ -95,6 +95,8 @@ class _Recorder:
         self.training = training
         self.layers: dict[int, tuple[Any, LayerRule | None, str]] = {}
         self.calls: dict[int, list[tuple[Any, dict]]] = {}  # layer id -> [(z structure, capture)]
+        self.names: dict[int, str] = {}  # layer id -> report name ("mha/query" for sub-layers)
+        self.prefix = ""
 
     def __call__(self, layer: Any, args: tuple, kwargs: dict) -> Any:
         if not any(id(v) in self.wanted for v in layer.trainable_variables):
@@ -103,9 +105,14 @@ class _Recorder:
         if key not in self.layers:
             rule, reason = lookup(self.registry, layer)
             self.layers[key] = (layer, rule, reason)
+            self.names[key] = self.prefix + layer.name
         _, rule, _ = self.layers[key]
         if rule is not None and rule.compose is not None:
-            return rule.compose(layer, args, kwargs, self)
+            outer, self.prefix = self.prefix, self.prefix + layer.name + "/"
+            try:
+                return rule.compose(layer, args, kwargs, self)
+            finally:
+                self.prefix = outer
         if rule is not None:
             z, capture = rule.forward(layer, args, kwargs)
             self.tape.watch(z)
@@ -211,7 +218,9 @@ def fast_summary(
       registry: layer rules (default :func:`~dpcore.engine.registry.default_registry`).
 
     Returns:
-      A :class:`GradientSummary` whose ``paths`` maps each layer name to its path.
+      A :class:`GradientSummary` whose ``paths`` maps each differentiated layer's name to its
+      path (``"outer/inner"`` for the projections of a MultiHeadAttention), as in
+      :func:`dpcore.explain.explain`.
 
     Privacy:
       Row ``i`` of every per-example quantity depends on example ``i`` alone (layers must not mix
@@ -265,7 +274,7 @@ def fast_summary(
             found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
         else:
             found = _fallback_grads(layer, uses, wanted)
-        paths[getattr(layer, "path", layer.name)] = found[0].path if found else "no variables"
+        paths[recorder.names[key]] = found[0].path if found else "no variables"
         for vg in found:
             by_variable[id(vg.variable)] = vg
     per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]
