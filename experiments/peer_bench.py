@@ -210,6 +210,7 @@ def measure(name, method, batch_size, steps, warmup):
         times.append((time.perf_counter() - t0) * 1000.0)
     row = {
         "median_ms": statistics.median(times),
+        "min_ms": min(times),
         "step_ms": [round(t, 3) for t in times],
         "steps_timed": steps,
         "trace_s": round(trace_s, 3),

@@ -93,10 +93,12 @@ def test_add_ratios_and_tables():
     for r, ms, rss in zip(rows, [10.0, 12.5, 0, 20.0, 400.0], [100.0, 110.0, 0, 200.0, 300.0]):
         r.update(status="ok", median_ms=ms, peak_rss_mb=rss, step_peak_rss_mb=rss)
     rows[2].update(status="skipped", median_ms=None, peak_rss_mb=None)
+    rows[0]["step_ms"], rows[1]["step_ms"] = [10.0, 8.0, 30.0], [12.5, 10.0, 40.0]
     benchmark.add_ratios(rows)
     assert rows[0]["ratio_to_nonprivate"] == 1.0
     assert rows[1]["ratio_to_nonprivate"] == pytest.approx(1.25)
     assert rows[1]["step_rss_ratio_to_nonprivate"] == pytest.approx(1.1)
+    assert rows[1]["min_ratio_to_nonprivate"] == pytest.approx(1.25)
     assert rows[2]["ratio_to_nonprivate"] is None
     assert rows[4]["ratio_to_nonprivate"] == pytest.approx(20.0)  # to the peer's own baseline
     table = benchmark.format_tables(rows)
