@@ -173,6 +173,46 @@ def test_conv_paths_follow_cost():
     assert rule.plan(mat.layers[0], [(None, 8, 8, 1)])[0] == "materialized"
 
 
+OFFSET_CASES = {  # >= 8 input channels and the materialized path: window-offset products
+    "conv1d_same": (lambda: keras.layers.Conv1D(4, 3, padding="same", activation="tanh"), (9, 8)),
+    "conv1d_causal_dilated": (
+        lambda: keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2),
+        (9, 8),
+    ),
+    "conv1d_same_stride3": (lambda: keras.layers.Conv1D(4, 3, strides=3, padding="same"), (10, 8)),
+    "conv2d_same_stride": (
+        lambda: keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"),
+        (7, 6, 8),
+    ),
+    "conv2d_valid_dilated": (lambda: keras.layers.Conv2D(3, (2, 3), dilation_rate=2), (7, 8, 8)),
+}
+
+
+def _no_patches(*args, **kwargs):
+    raise AssertionError("the patch route ran where the window-offset route should have")
+
+
+@pytest.mark.parametrize("case", sorted(OFFSET_CASES))
+def test_conv_offset_route(case, rng, monkeypatch):
+    from dpcore.rules import conv
+
+    make, shape = OFFSET_CASES[case]
+    model = _single(make(), shape)
+    monkeypatch.setattr(conv, "_patches", _no_patches)
+    modes = MODES if case == "conv2d_same_stride" else FAST_MODES
+    check_rule(model, *_data(model, 4, rng), modes=modes, expect_path="materialized")
+
+
+def test_conv_offset_route_shared_layer(rng, monkeypatch):
+    from dpcore.rules import conv
+
+    layer = keras.layers.Conv1D(8, 3, padding="same", activation="tanh")  # T=9, D=24, P=8
+    inputs = keras.Input((9, 8))
+    model = keras.Model(inputs, layer(layer(inputs)))
+    monkeypatch.setattr(conv, "_patches", _no_patches)
+    check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
+
+
 @pytest.mark.parametrize("ids_shape", [(6,), (), (2, 3)])
 def test_embedding(ids_shape, rng):
     layer = keras.layers.Embedding(7, 3)

@@ -100,22 +100,88 @@ def _dims(layer: Any) -> tuple[int, int, int, int]:
     return window, cin_g, groups, int(layer.filters) // groups
 
 
+# Below this many input channels (per group) the window-offset products are too thin to beat one
+# matmul over unfolded patches.
+_MIN_OFFSET_CHANNELS = 8
+
+
+def _same_pad(size: int, out: int, k: int, stride: int, dilation: int) -> tuple[int, int]:
+    """TensorFlow's ``SAME`` padding (before, after) of one spatial axis."""
+    total = max((out - 1) * stride + (k - 1) * dilation + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _offset_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
+    """Per-example kernel gradients ``[B, *kernel.shape]`` without unfolding patches, or None.
+
+    One batched ``[C_in, P]`` product per kernel-window offset: the strided slice of the (padded)
+    input that this offset sees at every output position, times the output gradients. It costs the
+    same multiply-adds as the patch matmul but never holds the ``[B, T, window * C_in]`` patches
+    (the largest tensor of the patch route). Needs static spatial shapes and ``groups == 1``.
+
+    Privacy:
+      Unclipped per-example gradients: clip before aggregating.
+    """
+    if int(layer.groups) != 1:
+        return None
+    total = None
+    for u in uses:
+        a = tf.cast(_channels_last(layer, u.capture["a"]), tf.float32)
+        g = tf.cast(_channels_last(layer, u.grad), tf.float32)
+        sizes, outs = a.shape[1:-1], g.shape[1:-1]
+        if None in sizes or None in outs:
+            return None
+        if _padding(layer) == "same":
+            pads = [
+                _same_pad(int(n), int(o), int(k), int(s), int(d))
+                for n, o, k, s, d in zip(
+                    sizes, outs, layer.kernel_size, layer.strides, layer.dilation_rate
+                )
+            ]
+            a = tf.pad(a, [[0, 0], *pads, [0, 0]])
+        b = tf.shape(a)[0]
+        g2 = tf.reshape(g, [b, -1, g.shape[-1]])
+        offsets = [()]
+        for k in layer.kernel_size:
+            offsets = [o + (i,) for o in offsets for i in range(int(k))]
+        per_offset: list[tf.Tensor] = []
+        for off in offsets:
+            index = [slice(None)]
+            for i, o, s, d in zip(off, outs, layer.strides, layer.dilation_rate):
+                start = i * int(d)
+                index.append(slice(start, start + (int(o) - 1) * int(s) + 1, int(s)))
+            # One offset at a time: each slice is a [B, T, C_in] copy, so letting them all be
+            # made at once would cost as much memory as the patches.
+            with tf.control_dependencies(per_offset[-1:]):
+                seen = tf.reshape(a[tuple(index)], [b, -1, a.shape[-1]])  # [B, T, C_in]
+            per_offset.append(tf.matmul(seen, g2, transpose_a=True))  # [B, C_in, P]
+        pe = tf.reshape(tf.stack(per_offset, axis=1), [b, *layer.kernel.shape])
+        total = pe if total is None else total + pe
+    return total
+
+
 def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     window, cin_g, groups, cout_g = _dims(layer)
-    a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
     g_last = [tf.cast(_channels_last(layer, u.grad), tf.float32) for u in uses]
     g = tf.concat([tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]]) for t in g_last], axis=1)
-    path, _ = linear.choose_path(a.shape[1], window * cin_g, cout_g)
+    path, _ = linear.choose_path(g.shape[1], window * cin_g, cout_g)
     kernel = layer.kernel
     per_example = None
-    if groups == 1 and path == "materialized":
+    if groups == 1 and path == "materialized" and cin_g >= _MIN_OFFSET_CHANNELS:
+        per_example = _offset_per_example(layer, uses)
+    if per_example is not None:
+        sq = linear.rowwise_sq_norm(per_example)
+    elif groups == 1 and path == "materialized":
         # Patch rows are ordered (kernel window, C_in), the kernel's own layout: the [B, D, P]
         # per-example grads reshape to [B, *kernel.shape] and also give the clipped sum directly.
-        per_example = linear.materialize(a, g)
+        a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
+        per_example = tf.reshape(linear.materialize(a, g), [-1, *kernel.shape])
         sq = linear.rowwise_sq_norm(per_example)
     elif groups == 1:
+        a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         sq = linear.sq_norm(a, g, path)
     else:
+        a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         b = tf.shape(a)[0]
         a5 = tf.reshape(a, [b, -1, window, groups, cin_g])
         g4 = tf.reshape(g, [b, -1, groups, cout_g])
@@ -128,8 +194,7 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
 
     def kernel_sum(w: tf.Tensor) -> tf.Tensor:
         if per_example is not None:
-            summed = linear.weighted_rows(per_example, w)
-            return tf.cast(tf.reshape(summed, kernel.shape), kernel.dtype)
+            return tf.cast(linear.weighted_rows(per_example, w), kernel.dtype)
         k = tf.convert_to_tensor(kernel)
         total = tf.zeros(k.shape, tf.float32)
         for u in uses:

@@ -42,13 +42,15 @@ def same_id_sq_norm(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     b, t = tf.shape(ids)[0], tf.shape(ids)[1]
     order = tf.argsort(ids, axis=1, stable=True)
     sorted_ids = tf.gather(ids, order, batch_dims=1)
-    sorted_g = tf.gather(g, order, batch_dims=1)
     first = tf.ones([b, 1], tf.int32)
     new = tf.cast(sorted_ids[:, 1:] != sorted_ids[:, :-1], tf.int32)
     local = tf.cumsum(tf.concat([first, new], axis=1), axis=1) - 1  # [B, T] segment within row
+    # Segment of each position in its original order (only int ids are permuted, never the
+    # [B, T, E] gradients: no sorted copy of them is made).
+    local = tf.gather(local, tf.argsort(order, axis=1), batch_dims=1)
     segments = local + tf.range(b)[:, None] * t
     sums = tf.math.unsorted_segment_sum(
-        tf.reshape(sorted_g, [-1, g.shape[-1]]), tf.reshape(segments, [-1]), b * t
+        tf.reshape(g, [-1, g.shape[-1]]), tf.reshape(segments, [-1]), b * t
     )
     return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), axis=1), [b, t]), axis=1)
 
