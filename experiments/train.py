@@ -109,8 +109,10 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10) 
     """`mlp` (one tanh hidden layer) or `cnn`, the end-to-end tanh CNN of Tramèr & Boneh.
 
     The CNN is conv16 8x8 stride 2 -> tanh -> maxpool 2 stride 1 -> conv32 4x4 stride 2 ->
-    tanh -> maxpool 2 stride 1 -> dense32 -> tanh -> dense10 (logits). On inputs smaller than
-    28x28 (the 8x8 digits) the second convolution uses 'same' padding so the shapes stay valid.
+    tanh -> maxpool 2 stride 1 -> dense32 -> tanh -> dense10 (logits). The first convolution
+    uses 'same' padding (the original pads by 2; on 28x28 inputs both give the same 5x5x32
+    feature map before the last pooling and the same 26,010 parameters). On inputs smaller than
+    28x28 (the 8x8 digits) the second convolution also uses 'same' padding so shapes stay valid.
     """
     import keras
 
