@@ -625,44 +625,13 @@ def format_tables(rows: list[dict]) -> str:
 def peer_python() -> str:
     """Path of the peer env's Python (TF 2.15.1 + tensorflow-privacy 0.9.0), built on first use.
 
-    Uses ``experiments/peer_env.py``'s ``ensure_peer_env`` when present, else a minimal local
-    equivalent: a ``.peer-venv`` beside the repository built with Python 3.11 or 3.10.
+    ``--peer_python`` if given, else :func:`dpcore_experiments.peer_env.ensure_peer_env`.
     """
     if FLAGS.peer_python:
         return FLAGS.peer_python
-    try:
-        from dpcore_experiments.peer_env import ensure_peer_env
-    except ImportError:
-        return _ensure_local_peer_env()
+    from dpcore_experiments.peer_env import ensure_peer_env
+
     return str(ensure_peer_env())
-
-
-def _ensure_local_peer_env() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    venv = os.path.join(root, ".peer-venv")
-    py = os.path.join(venv, "bin", "python")
-    probe = [py, "-c", "import tensorflow, tensorflow_privacy"]
-    if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
-        return py
-    base = next(
-        (p for p in ("python3.11", "python3.10", "python3.9") if _which(p)),
-        None,
-    )
-    if base is None:
-        raise RuntimeError("the peer needs Python 3.9-3.11 (TF 2.15); none was found on PATH.")
-    print(f"building the peer env in {venv} (first use) ...", flush=True)
-    subprocess.run([base, "-m", "venv", venv], check=True)
-    subprocess.run(
-        [py, "-m", "pip", "install", "-q", "tensorflow-cpu==2.15.1", "tensorflow-privacy==0.9.0"],
-        check=True,
-    )
-    return py
-
-
-def _which(name: str) -> str | None:
-    from shutil import which
-
-    return which(name)
 
 
 def _rows_plan(models, methods, batch_sizes) -> list[tuple[str, str, int]]:

@@ -139,22 +139,25 @@ def _offset_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
                 )
             ]
             a = tf.pad(a, [[0, 0], *pads, [0, 0]])
-        b = tf.shape(a)[0]
+        b, c_in = tf.shape(a)[0], a.shape[-1]
         g2 = tf.reshape(g, [b, -1, g.shape[-1]])
+        # Channels first once, so that each offset's slice is a [C_in, T] matrix per example and
+        # its product with the [T, P] output gradients needs no transposed operand.
+        a = tf.transpose(a, [0, layer.rank + 1, *range(1, layer.rank + 1)])
         offsets = [()]
         for k in layer.kernel_size:
             offsets = [o + (i,) for o in offsets for i in range(int(k))]
         per_offset: list[tf.Tensor] = []
         for off in offsets:
-            index = [slice(None)]
+            index = [slice(None), slice(None)]
             for i, o, s, d in zip(off, outs, layer.strides, layer.dilation_rate):
                 start = i * int(d)
                 index.append(slice(start, start + (int(o) - 1) * int(s) + 1, int(s)))
             # One offset at a time: each slice is a [B, T, C_in] copy, so letting them all be
             # made at once would cost as much memory as the patches.
             with tf.control_dependencies(per_offset[-1:]):
-                seen = tf.reshape(a[tuple(index)], [b, -1, a.shape[-1]])  # [B, T, C_in]
-            per_offset.append(tf.matmul(seen, g2, transpose_a=True))  # [B, C_in, P]
+                seen = tf.reshape(a[tuple(index)], [b, c_in, -1])  # [B, C_in, T]
+            per_offset.append(tf.matmul(seen, g2))  # [B, C_in, P]
         pe = tf.reshape(tf.stack(per_offset, axis=1), [b, *layer.kernel.shape])
         total = pe if total is None else total + pe
     return total
