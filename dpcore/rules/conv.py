@@ -2,12 +2,16 @@
 
 Contract: ``forward`` recomputes the layer's pre-activation output with ``keras.ops.conv`` and the
 layer's own kernel and bias (causal padding applied to the input first, as the layer does).
-Per-example norms unfold the input into patches (``tf.image.extract_patches``: one row of
-``kh*kw*C_in/groups`` values per output position) and apply the ``A^T G`` math of
-:mod:`dpcore.rules.linear` per group, ghost or materialized by cost. Strides, ``same``/``valid``/
-``causal`` padding, dilation, groups and both data formats are supported. The clipped kernel sum is
-the convolution's own filter gradient (TensorFlow's backprop-filter kernel) with the clip-weighted
-output gradients as cotangent; several uses of one layer add their position sets together.
+Per-example norms apply the ``A^T G`` math of :mod:`dpcore.rules.linear` (ghost or materialized
+by cost) with ``A`` the input patches, one row of ``kh*kw*C_in/groups`` values per output
+position. Materialized kernels of ungrouped convolutions with at least ``_MIN_OFFSET_CHANNELS``
+input channels (and static spatial shapes) are formed one kernel-window offset at a time, from
+strided slices of the input, never holding the unfolded patches; otherwise the input is unfolded
+with ``tf.image.extract_patches``. Strides, ``same``/``valid``/``causal`` padding, dilation,
+groups and both data formats are supported. The clipped kernel sum is a weighted sum of the
+materialized per-example kernels when they exist, else the convolution's own filter gradient
+(TensorFlow's backprop-filter kernel) with the clip-weighted output gradients as cotangent;
+several uses of one layer add their position sets together.
 """
 
 from __future__ import annotations
