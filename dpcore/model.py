@@ -104,6 +104,13 @@ class DPModel(keras.Model):
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.model(inputs, training=training)
 
+    def fit(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Keras ``fit``. A ``tf.data.Dataset`` (e.g. the Poisson sampler's) is used as given:
+        its batches are the sampled ones, so it is never reshuffled."""
+        if isinstance(x, tf.data.Dataset) and len(args) < 7:  # `shuffle` not given positionally
+            kwargs.setdefault("shuffle", False)
+        return super().fit(x, y, *args, **kwargs)
+
     def compile(
         self,
         optimizer: DPOptimizer,
