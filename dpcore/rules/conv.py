@@ -115,8 +115,12 @@ def _same_pad(size: int, out: int, k: int, stride: int, dilation: int) -> tuple[
     return total // 2, total - total // 2
 
 
-def _offset_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
-    """Per-example kernel gradients ``[B, *kernel.shape]`` without unfolding patches, or None.
+def _offset_per_example(layer: Any, uses: Sequence[Use]) -> list[tf.Tensor] | None:
+    """Per-example kernel gradients without unfolding patches, one ``[B, C_in, P]`` per offset.
+
+    The list runs over kernel-window offsets in the kernel's own (row-major) order, so stacking it
+    on axis 1 and reshaping gives ``[B, *kernel.shape]``; it is kept as a list so that no stacked
+    copy is ever made. None when the route does not apply.
 
     One batched ``[C_in, P]`` product per kernel-window offset: the strided slice of the (padded)
     input that this offset sees at every output position, times the output gradients. It costs the
@@ -162,8 +166,7 @@ def _offset_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
             with tf.control_dependencies(per_offset[-1:]):
                 seen = tf.reshape(a[tuple(index)], [b, c_in, -1])  # [B, C_in, T]
             per_offset.append(tf.matmul(seen, g2))  # [B, C_in, P]
-        pe = tf.reshape(tf.stack(per_offset, axis=1), [b, *layer.kernel.shape])
-        total = pe if total is None else total + pe
+        total = per_offset if total is None else [t + p for t, p in zip(total, per_offset)]
     return total
 
 
@@ -173,11 +176,11 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     g = tf.concat([tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]]) for t in g_last], axis=1)
     path, _ = linear.choose_path(g.shape[1], window * cin_g, cout_g)
     kernel = layer.kernel
-    per_example = None
+    per_example = None  # [B, *kernel.shape], or a list of [B, C_in, P] (one per offset)
     if groups == 1 and path == "materialized" and cin_g >= _MIN_OFFSET_CHANNELS:
         per_example = _offset_per_example(layer, uses)
     if per_example is not None:
-        sq = linear.rowwise_sq_norm(per_example)
+        sq = tf.add_n([linear.rowwise_sq_norm(t) for t in per_example])
     elif groups == 1 and path == "materialized":
         # Patch rows are ordered (kernel window, C_in), the kernel's own layout: the [B, D, P]
         # per-example grads reshape to [B, *kernel.shape] and also give the clipped sum directly.
@@ -200,6 +203,9 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             sq = linear.rowwise_sq_norm(tf.einsum("btkgc,btgo->bgkco", a5, g4))
 
     def kernel_sum(w: tf.Tensor) -> tf.Tensor:
+        if isinstance(per_example, list):
+            summed = tf.stack([linear.weighted_rows(t, w) for t in per_example])
+            return tf.cast(tf.reshape(summed, kernel.shape), kernel.dtype)
         if per_example is not None:
             return tf.cast(linear.weighted_rows(per_example, w), kernel.dtype)
         k = tf.convert_to_tensor(kernel)
