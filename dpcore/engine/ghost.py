@@ -267,19 +267,13 @@ def fast_summary(
     batch = tf.shape(weights)[0]
     by_variable: dict[int, VariableGrad] = {}
     paths: dict[str, str] = {}
-    previous: list[tf.Tensor] = []
     for key, gz in zip(keys, grads_z):
         layer, rule, why = recorder.layers[key]
         uses = [Use(capture=c, grad=g) for (_, c), g in zip(recorder.calls[key], gz)]
-        # One layer's norms at a time: their intermediates (per-example kernels, patches, same-id
-        # sums) are the largest transient tensors of the step, so they must not all be alive at
-        # once. The weighted sums are built later, outside this scope.
-        with tf.control_dependencies(previous):
-            if rule is not None:
-                found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
-            else:
-                found = _fallback_grads(layer, uses, wanted)
-        previous = [vg.sq_norm for vg in found] or previous
+        if rule is not None:
+            found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
+        else:
+            found = _fallback_grads(layer, uses, wanted)
         paths[recorder.names[key]] = found[0].path if found else "no variables"
         for vg in found:
             by_variable[id(vg.variable)] = vg
