@@ -35,7 +35,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dpcore import aggregation, engine
+from dpcore import aggregation, engine, validation
 from dpcore.aggregation import ClippedSum
 
 __all__ = ["DPOptimizer", "DPStepResult", "dp_step", "dp_train_step"]
@@ -530,11 +530,8 @@ def dp_step(
             "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
             "noise_multiplier=..., expected_batch_size=...)."
         )
+    validation.check_trainable(model)
     variables = list(model.trainable_variables)
-    if not variables:
-        raise ValueError(
-            f"model {getattr(model, 'name', model)!r} has no trainable variables: nothing to train."
-        )
     summary = engine.summarize(
         model,
         loss,

@@ -94,19 +94,13 @@ def prepare_batch(
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite={nonfinite!r}; expected one of {NONFINITE_MODES}.")
     b = batch_size_of(x)
+    static_b = tf.convert_to_tensor(tf.nest.flatten(x)[0]).shape[0]
     for t in tf.nest.flatten(y):
-        t = tf.convert_to_tensor(t)
-        static_x = (
-            tf.nest.flatten(x)[0].shape[0] if hasattr(tf.nest.flatten(x)[0], "shape") else None
-        )
-        if (
-            static_x is not None
-            and t.shape.rank
-            and t.shape[0] is not None
-            and t.shape[0] != static_x
-        ):
+        shape = tf.convert_to_tensor(t).shape
+        label_b = shape[0] if shape.rank else None
+        if static_b is not None and label_b is not None and label_b != static_b:
             raise ValueError(
-                f"labels y have batch size {t.shape[0]} but inputs x have batch size {static_x}."
+                f"labels y have batch size {label_b} but inputs x have batch size {static_b}."
             )
     mask = tf.ones([b], tf.float32) if mask is None else tf.cast(tf.reshape(mask, [-1]), tf.float32)
     sample_weight = (
