@@ -19,6 +19,11 @@ Contract:
     O(N) Bernoulli vector and gathers only the selected rows, so memory stays bounded.
   * `shuffled_batches` yields the same 4-tuple for the (non-Poisson) shuffle mode: every
     example exactly once per epoch, the last partial batch padded and masked.
+  * Every iteration over a returned dataset (e.g. each epoch of `model.fit(ds, epochs=k)`)
+    draws fresh samples: the per-step keys are folded with a per-iteration salt, so iterating
+    twice never replays the same Poisson samples, whose accounting as 2x`steps` independent
+    steps would then be wrong. With a fixed `seed`, the sequence of iterations is reproducible
+    and the first iteration of two datasets built alike is the same.
 
 Consumers must normalise by the expected batch size q * N, never by the realized count.
 """
@@ -144,8 +149,8 @@ def _entropy_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
 
 
-def _base_key(seed: int | None) -> tf.Tensor:
-    """A Philox key [2] int64 from a user seed, or from OS entropy when seed is None."""
+def _base_key(seed: int | None) -> tuple[int, int]:
+    """A Philox key (two 63-bit words) from a user seed, or from OS entropy when seed is None."""
     if seed is None:
         hi, lo = _entropy_seed(), _entropy_seed()
     else:
@@ -156,7 +161,22 @@ def _base_key(seed: int | None) -> tf.Tensor:
         # far apart in key space).
         words = np.random.SeedSequence(seed).generate_state(2, dtype=np.uint64)
         hi, lo = (int(w) & ((1 << 63) - 1) for w in words)
-    return tf.constant([hi, lo], dtype=tf.int64)
+    return hi, lo
+
+
+def _per_iteration(words: tuple[int, int], body: Any) -> tf.data.Dataset:
+    """`body(iteration_key)`, with a key that is new on every iteration over the result.
+
+    `Dataset.random(..., rerandomize_each_iteration=True)` yields a different salt each time
+    the dataset is iterated (reproducibly for a given seed); folding it into `key` gives the
+    iteration's key. Its seed comes from `words`, so a fixed user seed fixes the sequence.
+    """
+    key = tf.constant(list(words), dtype=tf.int64)
+    salt_seed = (words[0] ^ words[1]) & ((1 << 31) - 1)
+    salt = tf.data.Dataset.random(seed=salt_seed, rerandomize_each_iteration=True).take(1)
+    return salt.flat_map(
+        lambda r: body(tf.random.experimental.stateless_fold_in(key, r, alg="philox"))
+    )
 
 
 def _to_tensors(tree: Any) -> Any:
@@ -232,6 +252,7 @@ def poisson_batches(
         default) draws the seed from OS entropy, which is what a private run should use.
       start_step: index of the first step; a resumed run passes the number of steps already
         taken so that, with a fixed seed, it never replays the samples of earlier steps.
+        Iterating the returned dataset again (another Keras epoch) draws fresh samples.
 
     Returns:
       A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)`.
@@ -257,21 +278,19 @@ def poisson_batches(
     if p < 1:
         raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}.")
     xs, ys = _to_tensors(x), _to_tensors(y)
-    key = _base_key(seed)
     q64 = tf.constant(q, tf.float64)
-
-    def step_sample(step: tf.Tensor) -> tf.data.Dataset:
-        step_key = tf.random.experimental.stateless_fold_in(key, step, alg="philox")
-        u = tf.random.stateless_uniform([n], seed=step_key, dtype=tf.float64, alg="philox")
-        indices = tf.where(u < q64)[:, 0]
-        return _chunked(xs, ys, indices, p)
-
     start = int(start_step)
-    return (
-        tf.data.Dataset.range(start, start + int(steps))
-        .flat_map(step_sample)
-        .prefetch(tf.data.AUTOTUNE)
-    )
+
+    def iteration(key: tf.Tensor) -> tf.data.Dataset:
+        def step_sample(step: tf.Tensor) -> tf.data.Dataset:
+            step_key = tf.random.experimental.stateless_fold_in(key, step, alg="philox")
+            u = tf.random.stateless_uniform([n], seed=step_key, dtype=tf.float64, alg="philox")
+            indices = tf.where(u < q64)[:, 0]
+            return _chunked(xs, ys, indices, p)
+
+        return tf.data.Dataset.range(start, start + int(steps)).flat_map(step_sample)
+
+    return _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE)
 
 
 def shuffled_batches(
@@ -312,19 +331,21 @@ def shuffled_batches(
     if int(epochs) < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}.")
     xs, ys = _to_tensors(x), _to_tensors(y)
-    key = _base_key(seed)
 
-    def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
-        epoch_key = tf.random.experimental.stateless_fold_in(key, epoch, alg="philox")
-        u = tf.random.stateless_uniform([n], seed=epoch_key, dtype=tf.float64, alg="philox")
-        perm = tf.argsort(u, stable=True)
-        num_batches = (n + b - 1) // b
+    def iteration(key: tf.Tensor) -> tf.data.Dataset:
+        def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
+            epoch_key = tf.random.experimental.stateless_fold_in(key, epoch, alg="philox")
+            u = tf.random.stateless_uniform([n], seed=epoch_key, dtype=tf.float64, alg="philox")
+            perm = tf.argsort(u, stable=True)
+            num_batches = (n + b - 1) // b
 
-        def one(i: tf.Tensor):
-            sel = perm[i * b : (i + 1) * b]
-            sel = tf.cast(sel, tf.int64)
-            return _chunked(xs, ys, sel, b)
+            def one(i: tf.Tensor):
+                sel = perm[i * b : (i + 1) * b]
+                sel = tf.cast(sel, tf.int64)
+                return _chunked(xs, ys, sel, b)
 
-        return tf.data.Dataset.range(num_batches).flat_map(one)
+            return tf.data.Dataset.range(num_batches).flat_map(one)
 
-    return tf.data.Dataset.range(int(epochs)).flat_map(epoch_batches).prefetch(tf.data.AUTOTUNE)
+        return tf.data.Dataset.range(int(epochs)).flat_map(epoch_batches)
+
+    return _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE)
