@@ -12,11 +12,16 @@ Contract:
 - Layers that mix examples (trainable BatchNormalization, stateful RNNs) are refused when the
   model is wrapped and again when the step is traced (see :mod:`dpcore.validation`).
 - :func:`make_private` builds the :class:`DPOptimizer` when needed and compiles the wrapper.
+- Under a multi-replica ``tf.distribute`` strategy, ``fit``/``evaluate`` pad the sampler's
+  batches with masked rows to a multiple of the replicas and copy ``step_end`` to every row, so
+  Keras can split them; the update equals the single-device one (tested with 2 replicas).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -43,11 +48,60 @@ def _unpack(data: Any) -> tuple[Any, Any, Any, Any, Any]:
     if len(data) == 3:
         return data[0], data[1], data[2], None, None
     if len(data) == 4:
-        return data[0], data[1], None, data[2], data[3]
+        step_end = data[3]
+        if step_end is not None and step_end.shape.rank == 1:  # per-row copy (multi-replica)
+            step_end = tf.reduce_any(tf.cast(step_end, tf.bool))
+        return data[0], data[1], None, data[2], step_end
     raise ValueError(
         f"batch has {len(data)} elements; expected (x, y), (x, y, sample_weight) or "
         "(x, y, mask, step_end)."
     )
+
+
+def _for_replicas(dataset: Any, replicas: int) -> Any:
+    """The sampler's ``(x, y, mask, step_end)`` dataset, made splittable across replicas.
+
+    A multi-replica strategy splits every component of a batch along its rows, so ``step_end``
+    is copied to every row (as float32; ``_unpack`` folds it back) and the batch is padded with
+    masked rows to a multiple of ``replicas``, so that every replica gets the same number of
+    rows (at least one; padding is data-independent). Other inputs are returned unchanged.
+    """
+    if replicas <= 1 or not isinstance(dataset, tf.data.Dataset):
+        return dataset
+    spec = dataset.element_spec
+    if not (isinstance(spec, tuple) and len(spec) == 4 and spec[3].shape.rank == 0):
+        return dataset
+    rows = spec[2].shape[0]
+    if rows is None:
+        raise ValueError(
+            "a (x, y, mask, step_end) dataset under a multi-replica strategy needs a static "
+            "batch size; use dpcore.sampling's batches (fixed padded_batch_size)."
+        )
+    extra = -rows % replicas if rows >= replicas else replicas - rows
+
+    def pad(t: tf.Tensor) -> tf.Tensor:
+        return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
+
+    def split(x: Any, y: Any, mask: tf.Tensor, end: tf.Tensor) -> tuple[Any, Any, Any, Any]:
+        x, y, mask = tf.nest.map_structure(pad, (x, y, mask))
+        return x, y, mask, tf.fill(tf.shape(mask), tf.cast(end, tf.float32))
+
+    return dataset.map(split)
+
+
+@contextlib.contextmanager
+def _quiet_end_of_data(data: Any, steps_given: bool) -> Iterator[None]:
+    """Silences Keras's "Your input ran out of data" for a dataset of unknown length read to
+    its end (no ``steps``/``steps_per_epoch`` asked for): there, running out is the epoch's end.
+    """
+    with warnings.catch_warnings():
+        if (
+            isinstance(data, tf.data.Dataset)
+            and int(data.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+            and not steps_given
+        ):
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+        yield
 
 
 def _rows(structure: Any, keep: tf.Tensor) -> Any:
@@ -106,10 +160,38 @@ class DPModel(keras.Model):
 
     def fit(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Keras ``fit``. A ``tf.data.Dataset`` (e.g. the Poisson sampler's) is used as given:
-        its batches are the sampled ones, so it is never reshuffled."""
-        if isinstance(x, tf.data.Dataset) and len(args) < 7:  # `shuffle` not given positionally
+        its batches are the sampled ones, so it is never reshuffled.
+
+        The sampler's ``(x, y, mask, step_end)`` batches also work under a multi-replica
+        ``tf.distribute`` strategy: each batch is padded with masked rows to a multiple of the
+        replicas and split across them; every replica clips its rows and the clipped sums are
+        all-reduced before the one noise draw of the step (see :class:`DPOptimizer`).
+
+        The Poisson sampler's dataset has no known length (overflow chunks, astronomically rare,
+        add elements), so an epoch ends when it is exhausted. Keras then warns "Your input ran
+        out of data; interrupting training" although nothing was cut short; that one warning is
+        silenced when no ``steps_per_epoch`` was asked for, the only case where it is spurious.
+        """
+        if not isinstance(x, tf.data.Dataset):
+            return super().fit(x, y, *args, **kwargs)
+        if len(args) < 7:  # `shuffle` not given positionally
             kwargs.setdefault("shuffle", False)
-        return super().fit(x, y, *args, **kwargs)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if "validation_data" in kwargs:
+            kwargs["validation_data"] = _for_replicas(kwargs["validation_data"], replicas)
+        steps_given = kwargs.get("steps_per_epoch") is not None or len(args) >= 11
+        self._build_compiled_state(x)
+        with _quiet_end_of_data(x, steps_given):
+            return super().fit(_for_replicas(x, replicas), y, *args, **kwargs)
+
+    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Keras ``evaluate``; also takes the sampler's datasets (padding rows are ignored),
+        under a multi-replica strategy too (see :meth:`fit`)."""
+        steps_given = kwargs.get("steps") is not None or len(args) >= 4
+        self._build_compiled_state(x)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        with _quiet_end_of_data(x, steps_given):
+            return super().evaluate(_for_replicas(x, replicas), y, *args, **kwargs)
 
     def compile(
         self,
@@ -181,6 +263,29 @@ class DPModel(keras.Model):
             if m is not own and not (m.name == "loss" and isinstance(m, keras.metrics.Mean))
         ]
         return [own, *rest]
+
+    def _build_compiled_state(self, dataset: Any) -> None:
+        """Builds the compiled metrics and loss from a zero row of the sampler's element spec.
+
+        Under a ``tf.distribute`` strategy Keras builds them from the first batch, which it
+        expects to be ``(x, y[, sample_weight])``; for ``(x, y, mask, step_end)`` batches they
+        are built here instead (the metrics are then reset: no data is involved).
+        """
+        if not isinstance(dataset, tf.data.Dataset):
+            return
+        spec = dataset.element_spec
+        if not (isinstance(spec, tuple) and len(spec) == 4) or self._per_example_loss is None:
+            return
+
+        def zero_row(s: tf.TensorSpec) -> tf.Tensor:
+            return tf.zeros([1, *s.shape[1:]], s.dtype)
+
+        x0, y0 = tf.nest.map_structure(zero_row, (spec[0], spec[1]))
+        with self.distribute_strategy.scope():
+            y_pred = self(x0, training=False)
+            self.compute_metrics(x0, y0, y_pred)
+            self.compute_loss(x0, y0, y_pred)
+            self.reset_metrics()
 
     def _check_ready(self) -> None:
         validation.check_layers(self.model)
