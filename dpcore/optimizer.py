@@ -358,9 +358,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads = [
             tf.debugging.check_numerics(
                 tf.convert_to_tensor(g),
-                "dpcore: the clipped gradient sum is not finite (NaN/Inf in the batch, or a "
-                "per-example loss that is not finite); the step was not applied. Check the data or "
-                "pass nonfinite='skip'",
+                "dpcore: the clipped gradient sum is not finite; the step was not applied. NaN/Inf "
+                "in inputs or labels: pass nonfinite='skip' to drop such examples. A loss or "
+                "gradient that is not finite for finite inputs (e.g. log(0) in the loss): make the "
+                "loss finite, 'skip' does not catch it",
             )
             for g in grads
         ]
