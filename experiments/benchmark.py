@@ -81,6 +81,13 @@ def _define_flags() -> None:
     flags.DEFINE_float("l2_norm_clip", 1.0, "Clip bound C of the DP step.")
     flags.DEFINE_float("noise_multiplier", 1.0, "Noise multiplier of the DP step.")
     flags.DEFINE_float("learning_rate", 0.01, "SGD learning rate (every method).")
+    flags.DEFINE_integer(
+        "profile_ops",
+        0,
+        "If > 0 (dpcore rows only), profile --profile_steps more steps with the TensorFlow "
+        "profiler after the timed ones and report the ops with the most self time per step.",
+    )
+    flags.DEFINE_integer("profile_steps", 5, "Steps profiled for --profile_ops.")
     flags.DEFINE_string("json", None, "Write the rows (a JSON list) here.")
     flags.DEFINE_string("markdown", None, "Write the tables (Markdown) here.")
     flags.DEFINE_bool("peer", False, "Also run TensorFlow Privacy 0.9.0 in its own TF 2.15 env.")
@@ -389,6 +396,8 @@ def measure(
     l2_norm_clip: float = 1.0,
     noise_multiplier: float = 1.0,
     learning_rate: float = 0.01,
+    profile_ops: int = 0,
+    profile_steps: int = 5,
 ) -> dict:
     """Times one configuration in this process.
 
@@ -403,6 +412,9 @@ def measure(
       l2_norm_clip: clip bound of the DP methods.
       noise_multiplier: noise multiplier of the DP methods.
       learning_rate: SGD learning rate.
+      profile_ops: if > 0, ``top_ops`` lists the ops with the most self time per step over
+        ``profile_steps`` profiled steps (run after the timed ones, so timings are unaffected).
+      profile_steps: steps profiled for ``profile_ops``.
 
     Returns:
       A row with ``median_ms``, ``step_ms`` (every timed step), ``peak_rss_mb`` (whole process),
@@ -444,7 +456,11 @@ def measure(
         loss = float(step(x, y))
         times.append((time.perf_counter() - t0) * 1000.0)
     step_peak = _proc_status_kb("VmHWM") if hwm_reset else None
+    top = (
+        profile_top_ops(step, (x, y), top=profile_ops, steps=profile_steps) if profile_ops else None
+    )
     return {
+        "top_ops": top,
         "median_ms": statistics.median(times),
         "min_ms": min(times),
         "step_ms": [round(t, 3) for t in times],
@@ -458,6 +474,60 @@ def measure(
         "final_loss": loss,
         "paths": path_counts(info.get("paths", {})),
     }
+
+
+def profile_top_ops(step: Callable, args: tuple, *, top: int, steps: int = 5) -> list[dict]:
+    """The ``top`` TensorFlow ops by host self time per step, over ``steps`` profiled calls.
+
+    Self time is wall time inside the op; ops that run concurrently (inter-op parallelism) both
+    count, so the column can add up to more than the step. ``IDLE`` is left out.
+
+    Args:
+      step: the compiled step, already traced.
+      args: its arguments.
+      top: how many ops to report.
+      steps: calls profiled.
+
+    Returns:
+      ``[{"type", "op", "self_ms", "calls"}]`` per step, most expensive first; a single
+      ``{"type": "unavailable", ...}`` entry where this TensorFlow build lacks the op-stats tool.
+    """
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+
+    try:  # the converter behind TensorBoard's profile plugin (ships with TensorFlow)
+        from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
+    except ImportError as err:
+        return [{"type": "unavailable", "op": str(err)[:200], "self_ms": None, "calls": None}]
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            for _ in range(steps):
+                float(step(*args))
+        finally:
+            tf.profiler.experimental.stop()
+        spaces = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        data, _ = plugin.xspace_to_tools_data(spaces, "framework_op_stats", {})
+    table = json.loads(data)
+    table = table[0] if isinstance(table, list) else table
+    cols = [c["id"] for c in table["cols"]]
+    ops = []
+    for r in table["rows"]:
+        row = dict(zip(cols, [c.get("v") if c else None for c in r["c"]]))
+        if row.get("type") == "IDLE":
+            continue
+        ops.append(
+            {
+                "type": row["type"],
+                "op": row["operation"],
+                "self_ms": round(float(row["total_self_time"]) / 1000.0 / steps, 3),
+                "calls": round(float(row["occurrences"]) / steps, 2),
+            }
+        )
+    ops.sort(key=lambda o: -o["self_ms"])
+    return ops[:top]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,6 +607,8 @@ def child_main(spec: str) -> None:
                 l2_norm_clip=FLAGS.l2_norm_clip,
                 noise_multiplier=FLAGS.noise_multiplier,
                 learning_rate=FLAGS.learning_rate,
+                profile_ops=FLAGS.profile_ops,
+                profile_steps=FLAGS.profile_steps,
             )
         )
         row["status"] = "ok"
@@ -619,6 +691,21 @@ def format_tables(rows: list[dict]) -> str:
             else:
                 cells.append(r.get("status", "-"))
         lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:
+        if r.get("top_ops"):
+            lines += [
+                "",
+                f"Top ops by self time, {r['model']} {r['method']} batch {r['batch_size']} "
+                "(ms per step; concurrent ops overlap):",
+                "",
+                "| self ms | calls | type | op |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| {_fmt(o['self_ms'], '.2f')} | {_fmt(o['calls'], 'g')} | {o['type']} "
+                f"| {o['op'][:80]} |"
+                for o in r["top_ops"]
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -687,6 +774,10 @@ def run_benchmark() -> list[dict]:
         else:
             if side == "dpcore":
                 cmd = [sys.executable, os.path.abspath(__file__), f"--child={model},{method},{b}"]
+                cmd += [
+                    f"--profile_ops={FLAGS.profile_ops}",
+                    f"--profile_steps={FLAGS.profile_steps}",
+                ]
             else:
                 cmd = [peer_py, peer_script, f"--model={model}", f"--method={method}"]
                 cmd += [f"--batch_size={b}"]

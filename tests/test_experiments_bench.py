@@ -72,6 +72,23 @@ def test_measure_reports_a_row():
     assert row["params"] == 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10
     assert row["paths"] == {"vectorized": 6}
     assert np.isfinite(row["final_loss"])
+    assert row["top_ops"] is None  # profiling only when asked for
+
+
+def test_profile_top_ops_sees_the_noise_draw_only_in_the_dp_step():
+    rows = {
+        m: benchmark.measure("mlp", m, 8, steps=1, warmup=1, profile_ops=50, profile_steps=2)
+        for m in ("nonprivate", "fast")
+    }
+    for row in rows.values():
+        ops = row["top_ops"]
+        assert 0 < len(ops) <= 50
+        assert all(o["self_ms"] >= 0 for o in ops) and ops[0]["self_ms"] > 0
+        assert [o["self_ms"] for o in ops] == sorted((o["self_ms"] for o in ops), reverse=True)
+        assert "IDLE" not in {o["type"] for o in ops}
+    types = {m: {o["type"] for o in row["top_ops"]} for m, row in rows.items()}
+    assert "StatelessRandomNormalV2" in types["fast"]
+    assert "StatelessRandomNormalV2" not in types["nonprivate"]
 
 
 def test_planned_steps_keeps_at_least_three_within_budget():
