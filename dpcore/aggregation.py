@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -36,16 +37,33 @@ def _check_clip(name: str, value: float) -> float:
 def check_privacy_args(
     *, l2_norm_clip: float | Sequence[float], noise_multiplier: float, expected_batch_size: float
 ) -> None:
-    """Raises ValueError naming the argument for out-of-range privacy parameters."""
+    """Raises ValueError naming the argument for out-of-range privacy parameters.
+
+    ``noise_multiplier`` must be finite and >= 0, ``expected_batch_size`` finite and > 0, every
+    ``l2_norm_clip`` > 0. An infinite clip bound (no clipping: unbounded sensitivity) is only
+    accepted with ``noise_multiplier == 0``, i.e. for a run that claims no privacy.
+    """
     clips = l2_norm_clip if isinstance(l2_norm_clip, (list, tuple)) else [l2_norm_clip]
     if not clips:
         raise ValueError("l2_norm_clip=[]: give one bound, or one per variable group.")
     for c in clips:
         _check_clip("l2_norm_clip", c)
-    if not float(noise_multiplier) >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}.")
-    if not float(expected_batch_size) > 0:
-        raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}.")
+    sigma = float(noise_multiplier)
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(
+            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}."
+        )
+    batch = float(expected_batch_size)
+    if not (math.isfinite(batch) and batch > 0):
+        raise ValueError(
+            f"expected_batch_size must be a finite number > 0, got {expected_batch_size!r}."
+        )
+    if sigma > 0 and not all(math.isfinite(float(c)) for c in clips):
+        raise ValueError(
+            f"l2_norm_clip={l2_norm_clip!r} with noise_multiplier={noise_multiplier!r}: an infinite "
+            "clip bound has unbounded sensitivity, so no noise makes the step private; use a "
+            "finite l2_norm_clip (an infinite one only with noise_multiplier=0, a non-private run)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +181,7 @@ def gaussian_noise(
 def privatize(
     clipped: ClippedSum,
     *,
-    noise_multiplier: float,
+    noise_multiplier: float | tf.Tensor,
     expected_batch_size: float,
     seed: tf.Tensor,
 ) -> list[tf.Tensor]:
@@ -171,7 +189,10 @@ def privatize(
 
     Args:
       clipped: the (possibly accumulated) clipped sum of one logical step.
-      noise_multiplier: σ; noise std is ``σ * clipped.l2_sensitivity``.
+      noise_multiplier: σ; noise std is ``σ * clipped.l2_sensitivity``. A Python number is
+        checked here (and σ = 0 skips the noise draw); a scalar tensor (the optimizer's
+        ``noise_multiplier`` variable, so that a σ schedule takes effect without retracing) is
+        read when the step runs and must have been checked where it was set.
       expected_batch_size: the divisor (``sampling_prob * num_examples`` under Poisson sampling).
       seed: ``[2]`` integer tensor; a fresh one per logical step.
 
@@ -182,12 +203,19 @@ def privatize(
       This is the Gaussian mechanism on a sum of L2 sensitivity ``clipped.l2_sensitivity``. Call it
       exactly once per logical step; dividing by a data-independent constant keeps the guarantee.
     """
+    scale = 1.0 / float(expected_batch_size)
+    if not isinstance(noise_multiplier, numbers.Real):  # a tensor or variable
+        sigma = tf.cast(tf.convert_to_tensor(noise_multiplier), tf.float64)
+        sensitivity = tf.constant(clipped.l2_sensitivity, tf.float64)
+        # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN.
+        stddev = tf.where(sigma > 0, sigma * sensitivity, tf.zeros_like(sigma))
+        noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed)
+        return [(g + n) * scale for g, n in zip(clipped.grads, noise)]
     check_privacy_args(
         l2_norm_clip=clipped.l2_sensitivity,
         noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch_size,
     )
-    scale = 1.0 / float(expected_batch_size)
     if float(noise_multiplier) == 0.0:  # no noise requested (tests, non-private baselines)
         return [g * scale for g in clipped.grads]
     stddev = float(noise_multiplier) * clipped.l2_sensitivity

@@ -76,11 +76,21 @@ def test_masked_examples_contribute_nothing(rng):
             dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=0),
             "expected_batch_size",
         ),
+        (dict(l2_norm_clip=1.0, noise_multiplier=float("inf"), expected_batch_size=4), "noise"),
+        (dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=float("inf")), "batch"),
+        (dict(l2_norm_clip=float("inf"), noise_multiplier=1.0, expected_batch_size=4), "clip"),
+        (dict(l2_norm_clip=[1.0, float("nan")], noise_multiplier=0.0, expected_batch_size=4), "cl"),
     ],
 )
 def test_bad_privacy_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         aggregation.check_privacy_args(**kwargs)
+
+
+def test_an_infinite_bound_is_only_for_non_private_runs():
+    aggregation.check_privacy_args(
+        l2_norm_clip=float("inf"), noise_multiplier=0.0, expected_batch_size=4
+    )  # no clipping, no noise: accepted (it claims no privacy)
 
 
 def test_noise_std_and_normalization():
