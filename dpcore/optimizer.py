@@ -12,7 +12,10 @@ Contract:
 - Noise state is optimizer state: ``noise_seed`` (int64 ``[2]``, from OS entropy unless a fixed
   ``seed`` is given) and ``dp_steps`` (int64, logical steps applied). Step ``t`` draws its noise
   from ``fold_in(noise_seed, t)``, so a checkpoint restored into a fresh optimizer draws exactly the
-  noise the original would have drawn next and never one it already used.
+  noise the original would have drawn next and never one it already used. σ is state too (a
+  float64 variable read when the step runs): setting ``noise_multiplier`` between steps (a
+  schedule) takes effect without retracing, is validated like the constructor argument, and is
+  what a checkpoint restores and the callbacks record.
 - A logical step ends every ``accumulation_steps`` calls, or when the caller's ``step_end`` is True
   (the Poisson sampler marks the last chunk of a step). The decision is a ``tf.cond``: a compiled
   training step traces once.
@@ -198,7 +201,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self.l2_norm_clip: float | tuple[float, ...] = tuple(float(c) for c in l2_norm_clip)
         else:
             self.l2_norm_clip = float(l2_norm_clip)
-        self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.accumulation_steps = int(accumulation_steps)
         self.variable_groups = None if variable_groups is None else tuple(variable_groups)
@@ -217,7 +219,37 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.micro_steps = self.add_variable(
             shape=(), dtype="int64", aggregation="only_first_replica", name="micro_steps"
         )
+        sigma = float(noise_multiplier)
+        # σ is state, read when the step runs: a schedule (set `noise_multiplier` between steps)
+        # takes effect without retracing, and what the callbacks read is what ran.
+        self._noise_multiplier = self.add_variable(
+            shape=(),
+            dtype="float64",
+            initializer=lambda shape, dtype=None: tf.constant(sigma, tf.float64),
+            aggregation="only_first_replica",
+            name="noise_multiplier",
+        )
         self._accumulators: list[Any] = []
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the next logical step (optimizer state: checkpointed, restored with the rest)."""
+        return float(keras.ops.convert_to_numpy(self._noise_multiplier))
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        """Sets σ for the following logical steps (e.g. a schedule in a callback).
+
+        Privacy:
+          Steps run with the σ in effect when they end; ``EpsilonCallback`` reads this value
+          after every batch, so its ledger records each σ as it ran.
+        """
+        aggregation.check_privacy_args(
+            l2_norm_clip=self.l2_norm_clip,
+            noise_multiplier=value,
+            expected_batch_size=self.expected_batch_size,
+        )
+        self._noise_multiplier.assign(float(value))
 
     # ----------------------------------------------------------------------------- state
     def build(self, var_list: Sequence[Any]) -> None:
@@ -440,7 +472,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         summed = dataclasses.replace(clipped, grads=tuple(tf.cast(t, tf.float32) for t in totals))
         noised = aggregation.privatize(
             summed,
-            noise_multiplier=self.noise_multiplier,
+            noise_multiplier=self._noise_multiplier,
             expected_batch_size=self.expected_batch_size,
             seed=self.step_seed(),
         )

@@ -174,7 +174,7 @@ def test_make_private_argument_errors():
     opt = DPOptimizer("sgd", l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="noise_multiplier=2.0 conflicts"):
         make_private(model, optimizer=opt, loss=LOSS, noise_multiplier=2.0)
-    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
         make_private(
             model,
             optimizer="sgd",

@@ -63,6 +63,11 @@ def step_fn(model, opt, **kw):
         ({"noise_multiplier": -0.5}, "noise_multiplier"),
         ({"expected_batch_size": 0}, "expected_batch_size"),
         ({"accumulation_steps": 0}, "accumulation_steps"),
+        ({"noise_multiplier": math.inf}, "noise_multiplier"),
+        ({"noise_multiplier": math.nan}, "noise_multiplier"),
+        ({"expected_batch_size": math.inf}, "expected_batch_size"),
+        ({"l2_norm_clip": math.nan}, "l2_norm_clip"),
+        ({"l2_norm_clip": math.inf, "noise_multiplier": 1.0}, "l2_norm_clip"),
     ],
 )
 def test_bad_privacy_args_name_argument_and_value(kw, name):
@@ -420,6 +425,55 @@ def test_checkpoint_keeps_noise_state(tmp_path, build_first):
     for d in draws[:2]:
         assert abs(np.corrcoef(d, draws[2])[0, 1]) < bound  # the restored draw is a new one
     np.testing.assert_allclose(np.std(draws[2]), 1.0 / 6, rtol=6 / math.sqrt(2 * draws[2].size))
+
+
+def test_noise_multiplier_schedule_takes_effect_without_retracing_and_is_checked():
+    """σ is optimizer state read when the step runs: changing it between steps changes the
+    noise of the following steps in an already compiled loop (what the callbacks record)."""
+    model = wide_model()
+    opt = make_opt(noise_multiplier=1.0, seed=5)
+    opt.build(model.trainable_variables)  # else the first call's variable creation retraces
+    traces = []
+    b = 4
+    x, y, mask = np.ones((b, 100), "float32"), np.zeros(b, "int32"), np.zeros(b, "float32")
+
+    @tf.function
+    def step():
+        traces.append(1)
+        dp_train_step(model, LOSS, x, y, optimizer=opt, mask=mask)
+
+    def noise_std():
+        before = weights(model)
+        step()
+        return np.concatenate(
+            [(a - v.numpy()).ravel() for a, v in zip(before, model.trainable_variables)]
+        ).std()
+
+    n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    tol = 4 / math.sqrt(2 * n)
+    for sigma in (1.0, 3.0, 0.5):
+        opt.noise_multiplier = sigma
+        assert opt.noise_multiplier == sigma and opt.get_config()["noise_multiplier"] == sigma
+        target = sigma * 1.0 / 6  # sigma * C / expected_batch_size
+        assert abs(noise_std() - target) < tol * target
+    assert len(traces) == 1
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="noise_multiplier"):
+            opt.noise_multiplier = bad
+    assert opt.noise_multiplier == 0.5  # a refused value changes nothing
+
+
+def test_checkpoint_restores_the_noise_multiplier_that_ran(tmp_path):
+    model = wide_model()
+    opt = make_opt(noise_multiplier=1.0, seed=2)
+    noise_only_delta(opt, model)
+    opt.noise_multiplier = 2.5
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    fresh_model = wide_model()
+    fresh = make_opt(noise_multiplier=1.0, seed=2)
+    fresh.build(fresh_model.trainable_variables)
+    tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
+    assert fresh.noise_multiplier == 2.5
 
 
 def test_per_group_clipping_uses_group_sensitivity():
