@@ -47,6 +47,14 @@ def _read_dp_steps(model: Any) -> int | None:
     return int(np.asarray(keras.ops.convert_to_numpy(var)))
 
 
+def _read_pending_micro_steps(model: Any) -> int:
+    """Micro-batches already accumulated towards the optimizer's next logical step (0 if none)."""
+    var = getattr(_optimizer(model), "micro_steps", None)
+    if var is None:
+        return 0
+    return int(np.asarray(keras.ops.convert_to_numpy(var)))
+
+
 def _current_noise(model: Any, default: float) -> float:
     value = getattr(_optimizer(model), "noise_multiplier", None)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -348,7 +356,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         remaining = self.remaining_steps(spent)
         self._base = int(applied) if applied is not None else 0
         self.max_steps = self._base + remaining
-        self._batches = 0
+        self._batches = _read_pending_micro_steps(self.model)
         if remaining == 0:
             raise RuntimeError(
                 f"privacy budget exhausted: no further step keeps epsilon <= "
@@ -361,7 +369,9 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         applied = _read_dp_steps(self.model)
         if applied is not None:  # exact count (chunked Poisson steps are one step)
             self._base = int(applied)
-            self._batches = 0
+            # Micro-batches of an unfinished logical step carry over from the last epoch: count
+            # them, or the step they complete would go unseen.
+            self._batches = _read_pending_micro_steps(self.model)
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._batch_start = int(batch)

@@ -214,3 +214,77 @@ def test_callbacks_reject_bad_arguments():
     with pytest.raises(ValueError, match=r"target_epsilon.*0"):
         PrivacyBudgetGuard(target_epsilon=0, config=cfg)
     assert not os.path.exists("ledger.json")
+
+
+def test_sigma_schedule_with_a_dp_optimizer_is_recorded_as_it_ran():
+    """A callback changes σ between epochs: the steps run with the new σ (measured on
+    noise-only updates) and the ledger records exactly that schedule."""
+    import dpcore
+
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(50)])
+    opt = dpcore.DPOptimizer(
+        keras.optimizers.SGD(1.0),
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=1.0,
+        seed=1,
+    )
+    dp = dpcore.make_private(model, optimizer=opt, loss=keras.losses.MeanSquaredError())
+    n = 4  # all-padding batches: every update is noise only, std sigma * C / 1
+    ds = tf.data.Dataset.from_tensor_slices(
+        (
+            np.zeros((n, 4, 20), "float32"),
+            np.zeros((n, 4, 50), "float32"),
+            np.zeros((n, 4), "float32"),
+            np.ones(n, bool),
+        )
+    )
+    schedule, stds = {0: 1.0, 1: 4.0}, []
+
+    class Schedule(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            opt.noise_multiplier = schedule[epoch]
+            self.kernel = model.layers[-1].kernel.numpy().copy()
+
+        def on_epoch_end(self, epoch, logs=None):
+            stds.append((model.layers[-1].kernel.numpy() - self.kernel).std() / np.sqrt(n))
+
+    cfg = _config(num_examples=100, expected_batch_size=4, steps=2 * n)
+    cb = EpsilonCallback(cfg, pld_discretization=FAST)
+    dp.fit(ds, epochs=2, verbose=0, callbacks=[Schedule(), cb])
+    tol = 4 / np.sqrt(2 * n * 20 * 50)
+    for sigma, std in zip(schedule.values(), stds):
+        assert abs(std - sigma) < tol * sigma * 2
+    assert [(s["noise_multiplier"], s["steps"]) for s in cb.ledger.segments] == [(1.0, n), (4.0, n)]
+
+
+def test_guard_counts_micro_batches_carried_over_between_epochs():
+    """accumulation_steps=2 with 3 micro-batches per epoch: a logical step spans two epochs;
+    the guard must still stop before the budget's step count is passed."""
+    import dataclasses
+
+    import dpcore
+
+    n, micro, acc = 30, 10, 2
+    cfg = DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=2.0,
+        expected_batch_size=micro * acc,
+        num_examples=n,
+        steps=100,
+        accumulation_steps=acc,
+        target_delta=1e-3,
+    )
+    allowed = 2
+    target = dataclasses.replace(cfg, steps=allowed).epsilon()
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    dp = dpcore.make_private(
+        model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
+    )
+    guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((n, 5), dtype=np.float32), rng.random((n, 1), dtype=np.float32)
+    dp.fit(x, y, batch_size=micro, epochs=10, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.max_steps == allowed
+    assert int(dp.optimizer.dp_steps) == allowed
+    assert guard.stopped_at == allowed
