@@ -223,6 +223,44 @@ def test_embedding(ids_shape, rng):
     check_rule(model, x, y, zero_row=False, modes=MODES if ids_shape == (6,) else FAST_MODES)
 
 
+def test_embedding_negative_ids_wrap_like_keras(rng):
+    """Keras's take reads row vocab + id for a negative id: -1 and vocab - 1 are one row."""
+    model = _single(keras.layers.Embedding(6, 3), (4,), dtype="int32")
+    x = np.array([[-1, 5, 5, 1], [-1, -1, 5, 2], [0, 1, 2, 3], [-2, 4, -2, 4]], "int32")
+    y = rng.normal(size=(4, 4, 3)).astype("float32")
+    check_rule(model, x, y, zero_row=False, modes=FAST_MODES)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_conv_under_mixed_precision(rank, rng):
+    """The rule computes what the float16 layer computes; sums accumulate in float32."""
+    from dpcore.engine import summarize
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        conv = keras.layers.Conv1D(3, 3) if rank == 1 else keras.layers.Conv2D(3, 3, strides=2)
+        shape = (8, 2) if rank == 1 else (7, 7, 2)
+        inputs = keras.Input(shape)
+        out = keras.layers.Dense(2, dtype="float32")(keras.layers.Flatten()(conv(inputs)))
+        model = keras.Model(inputs, out)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    x = rng.normal(size=(4, *shape)).astype("float32")
+    y = np.array([0, 1, 1, 0])
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    summary = summarize(model, sce, x, y, method="fast", training=False)
+    assert summary.paths[conv.name] in ("ghost", "materialized")  # the conv rule ran
+    ref = reference_per_example_gradients(model, sce, x, y)
+    ref_sq = np.stack([np.sum(g.reshape(4, -1) ** 2, axis=1) for g in ref], axis=1)
+    weights = np.linspace(0.2, 1.0, 4)[:, None] * np.ones((1, len(ref)), "float32")
+    # float16 activations: agreement to float16 precision (unit roundoff ~5e-4), not 1e-5.
+    np.testing.assert_allclose(summary.sq_norms.numpy(), ref_sq, rtol=1e-2, atol=1e-3)
+    for got, g in zip(summary.weighted_sum(tf.constant(weights, tf.float32)), ref):
+        want = np.tensordot(weights[:, 0], g, axes=1)
+        assert got.dtype == tf.float32
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
 def test_embedding_norm_never_builds_vocab_tensor():
     ids = tf.constant([[1, 1, 3], [0, 2, 0]])
     g = tf.constant(np.arange(18, dtype="float32").reshape(2, 3, 3))

@@ -48,13 +48,14 @@ def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
         if layer.data_format == "channels_first":
             pad = [[0, 0], [0, 0], [left, 0]]
         a = keras.ops.pad(a, pad)
-    z = _conv(layer, a, layer.kernel)
+    # The layer's own compute dtype (Keras autocasts the float32 kernel under mixed precision).
+    z = _conv(layer, a, keras.ops.cast(layer.kernel, a.dtype))
     if layer.use_bias:
         if layer.data_format == "channels_last":
             shape = (1,) * (layer.rank + 1) + (layer.filters,)
         else:
             shape = (1, layer.filters) + (1,) * layer.rank
-        z = keras.ops.add(z, keras.ops.reshape(layer.bias, shape))
+        z = keras.ops.add(z, keras.ops.reshape(keras.ops.cast(layer.bias, z.dtype), shape))
     return z, {"a": a}
 
 
@@ -208,16 +209,16 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             return tf.cast(tf.reshape(summed, kernel.shape), kernel.dtype)
         if per_example is not None:
             return tf.cast(linear.weighted_rows(per_example, w), kernel.dtype)
-        k = tf.convert_to_tensor(kernel)
+        k = tf.cast(tf.convert_to_tensor(kernel), tf.float32)
         total = tf.zeros(k.shape, tf.float32)
-        for u in uses:
-            cot = u.grad * tf.cast(
-                tf.reshape(w, [-1] + [1] * (u.grad.shape.rank - 1)), u.grad.dtype
-            )
+        for u in uses:  # in float32, whatever the layer's compute dtype
+            g32 = tf.cast(u.grad, tf.float32)
+            cot = g32 * tf.reshape(tf.cast(w, tf.float32), [-1] + [1] * (g32.shape.rank - 1))
+            a32 = tf.cast(tf.stop_gradient(u.capture["a"]), tf.float32)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(k)
-                z = _conv(layer, tf.stop_gradient(u.capture["a"]), k)
-            total += tf.cast(tape.gradient(z, k, output_gradients=cot), tf.float32)
+                z = _conv(layer, a32, k)
+            total += tape.gradient(z, k, output_gradients=cot)
         return tf.cast(total, kernel.dtype)
 
     out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]

@@ -1,7 +1,7 @@
 """Rule for ``keras.layers.Embedding``.
 
 Contract: ``forward`` gathers rows of the layer's embedding table for the (int-cast) ids, as the
-layer does. An example's gradient of the table has one row per distinct id, the sum of that id's
+layer does (negative ids wrap around, as in ``keras.ops.take``). An example's gradient of the table has one row per distinct id, the sum of that id's
 output gradients, so its squared norm is ``sum over ids of ||sum_{t: id_t = id} g_t||^2``. It is
 computed by sorting each example's ids and segment-summing the gradients of equal ids: cost
 ``O(B T log T + B T dim)``, static shapes (XLA friendly), never a ``[B, vocab, dim]`` tensor.
@@ -25,6 +25,10 @@ def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
     ids = tf.convert_to_tensor(args[0])
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
+    # Keras's take wraps negative ids as numpy does (-1 is the last row); the norm groups equal
+    # ids and the clipped sum scatters by id, so both need the row actually used.
+    vocab = tf.cast(tf.shape(layer.embeddings)[0], ids.dtype)
+    ids = tf.where(ids < 0, ids + vocab, ids)
     z = keras.ops.take(layer.embeddings, ids, axis=0)
     return keras.ops.cast(z, layer.compute_dtype), {"ids": ids}
 
