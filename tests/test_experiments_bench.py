@@ -34,15 +34,18 @@ def _updated_weights(model_name: str, method: str, x, y, *, l2_norm_clip: float)
     return [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
 
 
-def _reference_update(model_name: str, x, y, *, l2_norm_clip: float):
-    """Clipped mean gradient from the slow eager one-example-at-a-time reference."""
+def _reference_grads(model_name: str, x, y):
+    """Per-example gradients and norms from the slow eager one-example-at-a-time reference."""
     model = benchmark.build_model(model_name, seed=0)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     grads = reference_per_example_gradients(model, loss, x, y, training=True)
     b = len(y)
-    norms = np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in grads))
+    return grads, np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in grads))
+
+
+def _clipped_mean(grads, norms, *, l2_norm_clip: float):
     factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-12))
-    return [np.tensordot(factors, g, axes=1) / b for g in grads]
+    return [np.tensordot(factors, g, axes=1) / len(norms) for g in grads]
 
 
 @pytest.mark.parametrize(
@@ -56,8 +59,12 @@ def _reference_update(model_name: str, x, y, *, l2_norm_clip: float):
 def test_dp_steps_apply_the_reference_clipped_mean(model_name, methods):
     # With noise 0 and lr 1, one step moves the weights by exactly the clipped mean gradient.
     x, y = benchmark.make_batch(model_name, 3, seed=1)
-    c = 0.05  # small enough that every example is clipped
-    expected = _reference_update(model_name, x, y, l2_norm_clip=c)
+    grads, norms = _reference_grads(model_name, x, y)
+    # C at the median norm: one example clipped, one not, so both the clip factors and the
+    # unclipped gradients' scale are checked (clipping everything would hide a scale error).
+    c = float(np.median(norms))
+    assert norms.min() < c < norms.max()
+    expected = _clipped_mean(grads, norms, l2_norm_clip=c)
     for method in methods:
         got = _updated_weights(model_name, method, x, y, l2_norm_clip=c)
         assert len(got) == len(expected)
