@@ -189,6 +189,39 @@ def test_subclassed_model_falls_back_whole_with_warning(rng):
     assert report.whole_model_fallback and "subclassed" in str(report)
 
 
+@pytest.mark.parametrize("reader", ["lambda", "op"])
+def test_variable_read_outside_its_layer_falls_back_whole(reader, rng):
+    """A kernel also read by a Lambda closure or a Keras op of the graph: the per-layer rules
+    cannot see that use, so the model takes the vectorized path (with a warning), and the
+    result matches the reference (it silently missed that gradient before)."""
+    inputs = keras.Input((5,))
+    dense = keras.layers.Dense(5, use_bias=False)
+    h = dense(inputs)
+    if reader == "lambda":
+        h = keras.layers.Lambda(lambda t: keras.ops.matmul(t, dense.kernel))(h)
+    else:
+        h = keras.ops.matmul(h, dense.kernel)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    x = rng.normal(size=(4, 5)).astype("float32")
+    y = rng.integers(0, 3, 4)
+    loss_fn = per_example_loss_fn(LOSS)
+    xp, yp, sw, mk = prepare_batch(x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = tf.function(
+            lambda: (
+                ghost.fast_summary(
+                    model, loss_fn, xp, yp, sw, mk, model.trainable_variables, training=False
+                ).sq_norms
+            )
+        )()
+    assert any("outside the layer that owns it" in str(w.message) for w in caught)
+    ref = reference_per_example_gradients(model, LOSS, x, y)
+    ref_sq = np.stack([np.sum(g.reshape(4, -1) ** 2, axis=1) for g in ref], axis=1)
+    np.testing.assert_allclose(s, ref_sq, rtol=RTOL)
+    assert ghost.supports(model) == (reader == "lambda")  # the op is seen before tracing
+
+
 def test_variable_subset_and_frozen_layers(rng):
     model = BUILDERS["mlp"]()
     model.get_layer("dense_0").trainable = False

@@ -66,6 +66,10 @@ def fallback_reason(model: Any, variables: Sequence[Any] | None = None) -> str |
                     "(tied weights need cross-layer terms the per-layer rules do not compute)"
                 )
             owner[id(v)] = layer.name
+    wanted = {id(v) for v in variables}
+    for op_name, v in graph.op_variables(model):
+        if id(v) in wanted:
+            return _outside_use_reason(v, f"the op {op_name!r}")
     missing = [v for v in variables if id(v) not in owner]
     if missing:
         return (
@@ -73,6 +77,17 @@ def fallback_reason(model: Any, variables: Sequence[Any] | None = None) -> str |
             "its use cannot be traced layer by layer"
         )
     return None
+
+
+def _outside_use_reason(variable: Any, reader: str) -> str:
+    return (
+        f"variable {variable.path!r} is also read by {reader}, outside the layer that owns it; "
+        "the per-layer rules would miss that part of its gradient"
+    )
+
+
+class _OutsideUse(Exception):
+    """A wanted variable was read by a call that does not own it (seen while tracing)."""
 
 
 def supports(model: Any) -> bool:
@@ -97,8 +112,27 @@ class _Recorder:
         self.calls: dict[int, list[tuple[Any, dict]]] = {}  # layer id -> [(z structure, capture)]
         self.names: dict[int, str] = {}  # layer id -> report name ("mha/query" for sub-layers)
         self.prefix = ""
+        self.wanted_values: dict[int, Any] = {}  # id(backing tf.Variable) -> wanted variable
+
+    def want(self, variables: Sequence[Any]) -> None:
+        for v in variables:
+            self.wanted_values[id(getattr(v, "value", v))] = v
 
     def __call__(self, layer: Any, args: tuple, kwargs: dict) -> Any:
+        # Which variables the call reads (trace-time bookkeeping only): a wanted variable read by
+        # a layer that does not own it (e.g. a Lambda closing over another layer's kernel) would
+        # get none of that use's gradient from the per-layer rules.
+        with tf.GradientTape(watch_accessed_variables=True) as reads:
+            outputs = self._call(layer, args, kwargs)
+        owned = {id(getattr(v, "value", v)) for v in layer.trainable_variables}
+        for v in reads.watched_variables():
+            if id(v) not in owned and id(v) in self.wanted_values:
+                raise _OutsideUse(
+                    _outside_use_reason(self.wanted_values[id(v)], f"layer {layer.name!r}")
+                )
+        return outputs
+
+    def _call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
         if not any(id(v) in self.wanted for v in layer.trainable_variables):
             return layer(*args, **kwargs)
         key = id(layer)
@@ -253,12 +287,34 @@ def fast_summary(
     weights = tf.cast(sample_weight, tf.float32) * tf.cast(mask, tf.float32)
     x_leaves = tf.nest.flatten(x)
     float_inputs = [t for t in x_leaves if t.dtype.is_floating] if wrt_inputs else []
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(float_inputs)
-        recorder = _Recorder(tape, registry, wanted, training)
-        y_pred = graph.run(model, x, training=training, layer_fn=recorder)
-        per_example_loss = tf.cast(loss_fn(y, y_pred), tf.float32) * weights
-        total = tf.reduce_sum(per_example_loss)
+    try:
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(float_inputs)
+            recorder = _Recorder(tape, registry, wanted, training)
+            recorder.want(variables)
+            y_pred = graph.run(model, x, training=training, layer_fn=recorder)
+            per_example_loss = tf.cast(loss_fn(y, y_pred), tf.float32) * weights
+            total = tf.reduce_sum(per_example_loss)
+    except _OutsideUse as outside:  # raised while tracing, before anything ran
+        from dpcore.engine.vectorized import vectorized_summary
+
+        warnings.warn(
+            f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
+            f"whole: {outside}.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return vectorized_summary(
+            model,
+            loss_fn,
+            x,
+            y,
+            sample_weight,
+            mask,
+            variables,
+            training=training,
+            wrt_inputs=wrt_inputs,
+        )
     keys = list(recorder.calls)
     zs = [[z for z, _ in recorder.calls[k]] for k in keys]
     grads_z, grads_x = tape.gradient(

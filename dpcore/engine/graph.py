@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.models.sequential import Sequential
@@ -145,6 +146,39 @@ def leaf_calls(model: Any) -> Iterator[tuple[Any, list[Any]]]:
                 yield from leaf_calls(op)
             elif isinstance(op, keras.layers.Layer):
                 yield op, [tuple(t.shape) for t in node.input_tensors]
+
+
+def op_variables(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(op name, variable)`` for each variable passed directly to a non-layer op of the graph.
+
+    E.g. ``keras.ops.matmul(h, dense.kernel)`` in a Functional model reads ``dense.kernel``
+    outside ``dense``'s call, where no per-layer rule sees it.
+    """
+    if isinstance(model, Sequential) and walk_reason(model) is None:
+        if model._functional is not None:
+            yield from op_variables(model._functional)
+            return
+        for layer in model.layers:
+            if _is_walkable(layer):
+                yield from op_variables(layer)
+        return
+    if not isinstance(model, Functional) or walk_reason(model) is not None:
+        return
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            op = node.operation
+            if not op or node.is_input:
+                continue
+            if _is_walkable(op):
+                yield from op_variables(op)
+            elif not isinstance(op, keras.layers.Layer):
+                arguments = getattr(node, "arguments", None)
+                values = tf.nest.flatten(
+                    (getattr(arguments, "args", ()), getattr(arguments, "kwargs", {}))
+                )
+                for v in values:
+                    if isinstance(v, (keras.Variable, tf.Variable)):
+                        yield getattr(op, "name", type(op).__name__), v
 
 
 def replay_multi_head_attention(layer: Any, args: tuple, kwargs: dict, call: LayerFn) -> Any:
