@@ -261,15 +261,15 @@ def fast_summary(
       examples, see :mod:`dpcore.validation`); masked examples get zero norm and weight.
     """
     variables = check_variables(variables)
-    reason = fallback_reason(model, variables)
-    if reason is not None:
+
+    def whole_model_fallback(reason: str) -> GradientSummary:
         from dpcore.engine.vectorized import vectorized_summary
 
         warnings.warn(
             f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
             f"whole: {reason}.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return vectorized_summary(
             model,
@@ -282,6 +282,10 @@ def fast_summary(
             training=training,
             wrt_inputs=wrt_inputs,
         )
+
+    reason = fallback_reason(model, variables)
+    if reason is not None:
+        return whole_model_fallback(reason)
     registry = default_registry() if registry is None else registry
     wanted = {id(v) for v in variables}
     weights = tf.cast(sample_weight, tf.float32) * tf.cast(mask, tf.float32)
@@ -296,25 +300,7 @@ def fast_summary(
             per_example_loss = tf.cast(loss_fn(y, y_pred), tf.float32) * weights
             total = tf.reduce_sum(per_example_loss)
     except _OutsideUse as outside:  # raised while tracing, before anything ran
-        from dpcore.engine.vectorized import vectorized_summary
-
-        warnings.warn(
-            f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
-            f"whole: {outside}.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return vectorized_summary(
-            model,
-            loss_fn,
-            x,
-            y,
-            sample_weight,
-            mask,
-            variables,
-            training=training,
-            wrt_inputs=wrt_inputs,
-        )
+        return whole_model_fallback(str(outside))
     keys = list(recorder.calls)
     zs = [[z for z, _ in recorder.calls[k]] for k in keys]
     grads_z, grads_x = tape.gradient(

@@ -120,20 +120,18 @@ def propagate_mask(layer: Any, args: tuple, outputs: Any) -> None:
         set_keras_mask(outputs, mask)
 
 
-def leaf_calls(model: Any) -> Iterator[tuple[Any, list[Any]]]:
-    """``(layer, [input shape per input])`` for each leaf layer call, in graph order.
-
-    Layers of a model that cannot be replayed are not listed (the caller reports the model).
-    """
+def _leaf_nodes(model: Any) -> Iterator[tuple[Any, Any]]:
+    """``(operation, node)`` for each leaf call of a replayable model, nested models expanded,
+    in graph order; ``node`` is None for the layers of a Sequential without a graph."""
     if isinstance(model, Sequential) and walk_reason(model) is None:
         if model._functional is not None:
-            yield from leaf_calls(model._functional)
+            yield from _leaf_nodes(model._functional)
             return
         for layer in model.layers:
             if _is_walkable(layer):
-                yield from leaf_calls(layer)
+                yield from _leaf_nodes(layer)
             else:
-                yield layer, [None]
+                yield layer, None
         return
     if not isinstance(model, Functional) or walk_reason(model) is not None:
         return
@@ -143,9 +141,19 @@ def leaf_calls(model: Any) -> Iterator[tuple[Any, list[Any]]]:
             if not op or node.is_input:
                 continue
             if _is_walkable(op):
-                yield from leaf_calls(op)
-            elif isinstance(op, keras.layers.Layer):
-                yield op, [tuple(t.shape) for t in node.input_tensors]
+                yield from _leaf_nodes(op)
+            else:
+                yield op, node
+
+
+def leaf_calls(model: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """``(layer, [input shape per input])`` for each leaf layer call, in graph order.
+
+    Layers of a model that cannot be replayed are not listed (the caller reports the model).
+    """
+    for op, node in _leaf_nodes(model):
+        if isinstance(op, keras.layers.Layer):
+            yield op, [None] if node is None else [tuple(t.shape) for t in node.input_tensors]
 
 
 def op_variables(model: Any) -> Iterator[tuple[str, Any]]:
@@ -154,31 +162,14 @@ def op_variables(model: Any) -> Iterator[tuple[str, Any]]:
     E.g. ``keras.ops.matmul(h, dense.kernel)`` in a Functional model reads ``dense.kernel``
     outside ``dense``'s call, where no per-layer rule sees it.
     """
-    if isinstance(model, Sequential) and walk_reason(model) is None:
-        if model._functional is not None:
-            yield from op_variables(model._functional)
-            return
-        for layer in model.layers:
-            if _is_walkable(layer):
-                yield from op_variables(layer)
-        return
-    if not isinstance(model, Functional) or walk_reason(model) is not None:
-        return
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            op = node.operation
-            if not op or node.is_input:
-                continue
-            if _is_walkable(op):
-                yield from op_variables(op)
-            elif not isinstance(op, keras.layers.Layer):
-                arguments = getattr(node, "arguments", None)
-                values = tf.nest.flatten(
-                    (getattr(arguments, "args", ()), getattr(arguments, "kwargs", {}))
-                )
-                for v in values:
-                    if isinstance(v, (keras.Variable, tf.Variable)):
-                        yield getattr(op, "name", type(op).__name__), v
+    for op, node in _leaf_nodes(model):
+        if isinstance(op, keras.layers.Layer) or node is None:
+            continue
+        arguments = getattr(node, "arguments", None)
+        values = tf.nest.flatten((getattr(arguments, "args", ()), getattr(arguments, "kwargs", {})))
+        for v in values:
+            if isinstance(v, (keras.Variable, tf.Variable)):
+                yield getattr(op, "name", type(op).__name__), v
 
 
 def replay_multi_head_attention(layer: Any, args: tuple, kwargs: dict, call: LayerFn) -> Any:
