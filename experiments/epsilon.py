@@ -129,9 +129,13 @@ def format_result(result: dict[str, Any]) -> str:
             f"noise_multiplier = {result['noise_multiplier']:.6f} (calibrated for "
             f"epsilon <= {result['target_epsilon']})"
         )
+    adjacency = f"{result['neighboring']} adjacency"
+    if result["sampling"] == "shuffle" and result["neighboring"] == "add_remove":
+        # Fixed batch positions: one example's contribution added or zeroed, see ACCOUNTING.md.
+        adjacency = "zero-out adjacency"
     lines.append(
         f"epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g} "
-        f"({result['accountant'].upper()}, {result['neighboring']} adjacency)"
+        f"({result['accountant'].upper()}, {adjacency})"
     )
     lines.append(
         f"N = {result['num_examples']}, batch = {result['batch_size']:g}, "

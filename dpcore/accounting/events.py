@@ -177,7 +177,12 @@ def shuffle_event(
       `SelfComposedDpEvent(GaussianDpEvent(σ), ceil(epochs))`.
 
     Privacy:
-      Assumes nothing about the order of batches (no amplification by shuffling).
+      Assumes nothing about the order of batches (no amplification by shuffling). The bound is
+      for neighbouring datasets that keep every batch position: one example replaced by a null
+      one that contributes nothing (zero-out; what ``"add_remove"`` means for this event) or by
+      another example (``"replace_one"``, sensitivity 2C). Truly adding or removing an example
+      shifts the later examples of a fixed-size batching into other batches, which this
+      per-epoch argument does not cover.
     """
     sigma = check_noise_multiplier(noise_multiplier)
     spe = check_positive_int(steps_per_epoch, "steps_per_epoch")
