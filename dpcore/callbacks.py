@@ -14,6 +14,9 @@ Contract:
   * `PrivacyBudgetGuard` computes once, at the start of training, how many more logical
     steps keep ε <= target_epsilon (steps already spent included), then stops training
     before a batch would go past that. If no step fits, it raises `RuntimeError`.
+  * Both refuse to report a Poisson ε for a `DPModel` fed with arrays (Keras's fixed-size
+    shuffled batches) and warn for a dataset of plain `(x, y)` batches: the account must match
+    the sampling that ran (`check_feed_matches_sampling`).
   * Both work with any Keras 3 model and optimizer; nothing here touches Keras internals.
 """
 
@@ -53,6 +56,38 @@ def _read_pending_micro_steps(model: Any) -> int:
     if var is None:
         return 0
     return int(np.asarray(keras.ops.convert_to_numpy(var)))
+
+
+def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
+    """Refuses a Poisson account of batches that were not Poisson-sampled.
+
+    ``dpcore.DPModel.fit`` records how it was fed: ``"arrays"`` (Keras cuts arrays into
+    fixed-size, shuffled batches), ``"dataset"`` (a dataset of ``(x, y[, sample_weight])``,
+    normally fixed-size batches) or ``"masked_batches"`` (``(x, y, mask, step_end)``, what
+    ``dpcore.sampling`` yields). Other models record nothing and are not checked.
+
+    Raises:
+      ValueError: for ``config.sampling == "poisson"`` with arrays: the reported ε would assume
+        an amplification that the sampling that ran does not give.
+    """
+    feed = getattr(model, "data_feed", None)
+    if config.sampling != "poisson" or feed in (None, "masked_batches"):
+        return
+    if feed == "arrays":
+        raise ValueError(
+            "the config accounts for Poisson sampling, but fit was given arrays, which Keras cuts "
+            "into fixed-size shuffled batches: that epsilon would be an assumption, not a "
+            "guarantee. Feed dpcore.sampling.poisson_batches(x, y, sampling_prob=..., steps=...), "
+            "or account for what runs with DPConfig(sampling='shuffle', ...)."
+        )
+    warnings.warn(
+        "dpcore: the config accounts for Poisson sampling, but fit was given a dataset of "
+        "(x, y) batches, normally fixed-size ones; unless it samples every example independently "
+        "with probability sampling_prob each step, use dpcore.sampling.poisson_batches or "
+        "DPConfig(sampling='shuffle').",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _current_noise(model: Any, default: float) -> float:
@@ -207,6 +242,7 @@ class EpsilonCallback(keras.callbacks.Callback):
 
     # ----------------------------------------------------------------------- callbacks
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        check_feed_matches_sampling(self.model, self.config)
         self._sigma = _current_noise(self.model, self.config.noise_multiplier)
         applied = _read_dp_steps(self.model)
         self._use_counter = applied is not None
@@ -343,6 +379,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         )
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        check_feed_matches_sampling(self.model, self.config)
         spent = self.ledger.copy() if self.ledger is not None else self.config.new_ledger()
         applied = _read_dp_steps(self.model)
         sigma = _current_noise(self.model, self.config.noise_multiplier)

@@ -151,6 +151,9 @@ class DPModel(keras.Model):
         self.nonfinite = nonfinite
         self.chunk_size = chunk_size
         self.loss_tracker = keras.metrics.Mean(name="loss")
+        # How the last fit was fed ("arrays", "dataset" or "masked_batches"): the privacy
+        # callbacks check it against the sampling their config accounts for.
+        self.data_feed: str | None = None
         self._per_example_loss = None
         if model.built:  # the wrapper owns no variables of its own
             self.built = True
@@ -173,7 +176,11 @@ class DPModel(keras.Model):
         silenced when no ``steps_per_epoch`` was asked for, the only case where it is spurious.
         """
         if not isinstance(x, tf.data.Dataset):
+            self.data_feed = "arrays"
             return super().fit(x, y, *args, **kwargs)
+        spec = x.element_spec
+        masked = isinstance(spec, tuple) and len(spec) == 4
+        self.data_feed = "masked_batches" if masked else "dataset"
         if len(args) < 7:  # `shuffle` not given positionally
             kwargs.setdefault("shuffle", False)
         replicas = self.distribute_strategy.num_replicas_in_sync

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -274,6 +275,7 @@ def test_guard_counts_micro_batches_carried_over_between_epochs():
         steps=100,
         accumulation_steps=acc,
         target_delta=1e-3,
+        sampling="shuffle",  # what fit on arrays runs: fixed-size shuffled batches
     )
     allowed = 2
     target = dataclasses.replace(cfg, steps=allowed).epsilon()
@@ -284,7 +286,42 @@ def test_guard_counts_micro_batches_carried_over_between_epochs():
     guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
     rng = np.random.default_rng(0)
     x, y = rng.random((n, 5), dtype=np.float32), rng.random((n, 1), dtype=np.float32)
-    dp.fit(x, y, batch_size=micro, epochs=10, shuffle=False, verbose=0, callbacks=[guard])
+    dp.fit(x, y, batch_size=micro, epochs=10, verbose=0, callbacks=[guard])
     assert guard.max_steps == allowed
     assert int(dp.optimizer.dp_steps) == allowed
     assert guard.stopped_at == allowed
+
+
+@pytest.mark.parametrize("callback", ["epsilon", "guard"])
+def test_poisson_account_of_keras_batches_is_refused(callback):
+    """fit on arrays runs Keras's fixed-size shuffled batches: a Poisson epsilon for them would
+    be an assumption, so both privacy callbacks refuse it before the first step."""
+    import dpcore
+
+    cfg = _config()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    dp = dpcore.make_private(model, optimizer="sgd", loss="mse", config=cfg, seed=0)
+    cb = (
+        EpsilonCallback(cfg)
+        if callback == "epsilon"
+        else PrivacyBudgetGuard(target_epsilon=5.0, config=cfg)
+    )
+    x, y = _data()
+    with pytest.raises(ValueError, match="poisson_batches"):
+        dp.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[cb])
+    assert int(dp.optimizer.dp_steps) == 0  # refused before any step ran
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    with pytest.warns(RuntimeWarning, match="poisson_batches"):
+        dp.fit(ds, epochs=1, verbose=0, callbacks=[cb])
+    fresh = dpcore.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+        optimizer="sgd",
+        loss="mse",
+        config=cfg,
+        seed=0,
+    )
+    shuffled = dpcore.sampling.shuffled_batches(x, y, batch_size=B, epochs=1, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.fit(shuffled, verbose=0, callbacks=[EpsilonCallback(_config(sampling="shuffle"))])
+    assert not [w for w in caught if issubclass(w.category, (UserWarning, RuntimeWarning))]
