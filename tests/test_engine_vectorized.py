@@ -145,6 +145,26 @@ def test_nonfinite_inputs_raise_or_skip(rng):
         _close(g, r)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_sample_weight_raises_or_is_skipped(bad, rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", 4, rng)
+    sw = np.array([1.0, bad, 0.5, 2.0], "float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sample weights"):
+        engine.per_example_gradients(model, LOSS, x, y, sample_weight=sw)
+    got = engine.per_example_gradients(model, LOSS, x, y, sample_weight=sw, nonfinite="skip")
+    ref = reference_per_example_gradients(
+        model, LOSS, x, y, sample_weight=np.nan_to_num(sw, posinf=0.0), mask=[1, 0, 1, 1]
+    )
+    for g, r in zip(got, ref):
+        assert np.all(np.isfinite(g))
+        _close(g, r)
+    # A non-finite weight on a padding row is ignored, as the row is.
+    padded = engine.per_example_gradients(model, LOSS, x, y, sample_weight=sw, mask=[1, 0, 1, 1])
+    for g, r in zip(padded, ref):
+        _close(g, r)
+
+
 def test_empty_batch_gives_empty_gradients():
     model = BUILDERS["mlp"]()
     x = np.zeros((0, 12), np.float32)

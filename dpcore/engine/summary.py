@@ -81,8 +81,9 @@ def prepare_batch(
       y: labels with the same leading batch axis.
       sample_weight: optional ``[B]`` weights (default 1).
       mask: optional ``[B]`` booleans or 0/1 floats; False/0 marks a padding example.
-      nonfinite: ``"raise"`` fails the step on NaN/Inf in ``x`` or ``y``; ``"skip"`` masks such
-        examples out (their inputs are zeroed so nothing non-finite reaches the weights).
+      nonfinite: ``"raise"`` fails the step on NaN/Inf in ``x``, ``y`` or ``sample_weight``;
+        ``"skip"`` masks such examples out (their inputs and weights are zeroed so nothing
+        non-finite reaches the weights).
 
     Returns:
       The batch with float32 ``sample_weight`` and ``mask`` of shape ``[B]``.
@@ -110,12 +111,13 @@ def prepare_batch(
     )
     leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
     finite = tf.reduce_all(tf.stack([_all_finite_rows(t) for t in leaves], 0), 0)
+    finite = finite & tf.math.is_finite(sample_weight)
     if nonfinite == "raise":
         check = tf.debugging.Assert(
             tf.reduce_all(finite | (mask <= 0)),
             [
-                "dpcore: NaN or Inf in the batch inputs/labels; pass nonfinite='skip' to drop such "
-                "examples instead"
+                "dpcore: NaN or Inf in the batch inputs, labels or sample weights; pass "
+                "nonfinite='skip' to drop such examples instead"
             ],
         )
         # Everything downstream (and so every weight update) depends on the check having passed.
@@ -127,6 +129,7 @@ def prepare_batch(
     keep = mask > 0
     x = tf.nest.map_structure(lambda t: _zero_rows(t, keep), x)
     y = tf.nest.map_structure(lambda t: _zero_rows(t, keep), y)
+    sample_weight = tf.where(keep, sample_weight, tf.zeros_like(sample_weight))
     return x, y, sample_weight, mask
 
 
