@@ -344,6 +344,25 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def baseline_batches(batches: Any, *, expected_batch_size: float) -> Any:
+    """The sampler's ``(x, y, mask, step_end)`` as ``(x, y, sample_weight)`` for a plain Keras
+    step with the DP step's normalization.
+
+    Keras averages a weighted loss over all P rows of a padded batch; weights
+    ``mask * P / expected_batch_size`` make it ``sum(real rows' losses) / expected_batch_size``,
+    what the DP step divides by, so the non-private baseline differs only by clipping and noise.
+    """
+    import tensorflow as tf
+
+    scale = 1.0 / float(expected_batch_size)
+
+    def as_weights(x: Any, y: Any, mask: Any, step_end: Any) -> tuple[Any, Any, Any]:
+        rows = tf.cast(tf.shape(mask)[0], tf.float32)
+        return x, y, mask * rows * scale
+
+    return batches.map(as_weights)
+
+
 def run_training(settings: TrainSettings) -> dict[str, Any]:
     """Trains per `settings`, writes results.json / checkpoint when `output_dir` is set.
 
@@ -418,7 +437,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     for epoch in range(start_epoch, end_epoch):
         batches = train_batches(settings, plan, x_train, y_train, epoch)
         if not settings.dp:
-            batches = batches.map(lambda xb, yb, mask, end: (xb, yb, mask))
+            batches = baseline_batches(batches, expected_batch_size=plan.expected_batch_size)
         start = time.perf_counter()
         with warnings.catch_warnings():
             # The epoch's dataset is finite with unknown cardinality (a rare overflow adds

@@ -178,3 +178,20 @@ def test_shuffle_mode_reports_no_amplification_bound(tmp_path):
     assert results["plan"]["steps_per_epoch"] == 6
     assert "PoissonSampled" not in results["privacy"]["dp_event"]
     assert "no Poisson amplification" in results["privacy"]["accounting"]
+
+
+def test_baseline_batches_normalize_like_the_dp_step():
+    """Keras's weighted mean over P padded rows equals sum(real losses) / expected_batch_size."""
+    import keras
+    import tensorflow as tf
+
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.array([0, 1, 0, 0], "int32")
+    mask = np.array([1, 1, 1, 0], "float32")  # P = 4 rows, 3 real
+    ds = tf.data.Dataset.from_tensors((x, y, mask, True))
+    ((_, _, weights),) = list(train.baseline_batches(ds, expected_batch_size=2.0))
+    np.testing.assert_allclose(weights.numpy(), [2.0, 2.0, 2.0, 0.0])
+    losses = np.array([0.5, 1.5, 2.0, 7.0], "float32")
+    keras_mean = keras.losses.MeanSquaredError()  # sum_over_batch_size: divides by P
+    got = float(keras_mean(losses[:, None] ** 0.5, np.zeros((4, 1)), sample_weight=weights))
+    assert got == pytest.approx((0.5 + 1.5 + 2.0) / 2.0)
