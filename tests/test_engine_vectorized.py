@@ -103,6 +103,18 @@ def test_eager_calls_compile_once(rng):
     assert traces == 1, traces
 
 
+def test_compiled_cache_stays_bounded_with_a_new_loss_object_per_call(rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", 2, rng)
+    first = None
+    for _ in range(engine._MAX_COMPILED_PER_MODEL + 4):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+        norms = engine.per_example_norms(model, loss, x, y)
+        first = norms if first is None else first
+        np.testing.assert_allclose(norms, first, rtol=1e-6)  # every entry computes the same
+    assert len(engine._COMPILED[model]) == engine._MAX_COMPILED_PER_MODEL
+
+
 def test_scalar_loss_is_rejected(rng):
     model = BUILDERS["mlp"]()
     x, y = batch_for("mlp", 3, rng)

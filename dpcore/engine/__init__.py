@@ -18,6 +18,7 @@ options and reuse the compiled function on later calls (no retrace per step).
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -127,12 +128,19 @@ def summarize(
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Compiled eager entry points kept per model (least recently used dropped first): a caller that
+# passes a new loss object on every call must not grow the cache without bound.
+_MAX_COMPILED_PER_MODEL = 16
 
 
 def _compiled(model: Any, key: tuple, build) -> Any:
-    per_model = _COMPILED.setdefault(model, {})
-    if key not in per_model:
+    per_model = _COMPILED.setdefault(model, collections.OrderedDict())
+    if key in per_model:
+        per_model.move_to_end(key)
+    else:
         per_model[key] = tf.function(build, reduce_retracing=True)
+        while len(per_model) > _MAX_COMPILED_PER_MODEL:
+            per_model.popitem(last=False)
     return per_model[key]
 
 
