@@ -23,7 +23,8 @@ Contract:
     draws fresh samples: the per-step keys are folded with a per-iteration salt, so iterating
     twice never replays the same Poisson samples, whose accounting as 2x`steps` independent
     steps would then be wrong. With a fixed `seed`, the sequence of iterations is reproducible
-    and the first iteration of two datasets built alike is the same.
+    (whatever TensorFlow's global seed) and the first iteration of two datasets built alike is
+    the same.
 
 Consumers must normalise by the expected batch size q * N, never by the realized count.
 """
@@ -165,15 +166,15 @@ def _base_key(seed: int | None) -> tuple[int, int]:
 
 
 def _per_iteration(words: tuple[int, int], body: Any) -> tf.data.Dataset:
-    """`body(iteration_key)`, with a key that is new on every iteration over the result.
+    """`body(iteration_key)`, with a Philox key that is new on every iteration over the result.
 
-    `Dataset.random(..., rerandomize_each_iteration=True)` yields a different salt each time
-    the dataset is iterated (reproducibly for a given seed); folding it into `key` gives the
-    iteration's key. Its seed comes from `words`, so a fixed user seed fixes the sequence.
+    A counter owned by the dataset counts the iterations started over it (1, 2, ...); folding it
+    into the base key gives the iteration's key. The sequence depends only on `words` (the user
+    seed or OS entropy), not on TensorFlow's global seed, so a fixed seed fixes every pass.
     """
     key = tf.constant(list(words), dtype=tf.int64)
-    salt_seed = (words[0] ^ words[1]) & ((1 << 31) - 1)
-    salt = tf.data.Dataset.random(seed=salt_seed, rerandomize_each_iteration=True).take(1)
+    passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="sampler_passes")
+    salt = tf.data.Dataset.range(1).map(lambda _: passes.assign_add(1))
     return salt.flat_map(
         lambda r: body(tf.random.experimental.stateless_fold_in(key, r, alg="philox"))
     )
