@@ -200,12 +200,7 @@ def _fallback_grads(layer: Any, uses: Sequence[Use], wanted: set[int]) -> list[V
 
     per_example = tf.vectorized_map(one, elems)
     return [
-        VariableGrad(
-            variable=v,
-            sq_norm=linear.rowwise_sq_norm(g),
-            weighted_sum=lambda w, g=g, v=v: tf.cast(linear.weighted_rows(g, w), v.dtype),
-            path="fallback:vectorized",
-        )
+        linear.from_per_example(v, g, path="fallback:vectorized")
         for v, g in zip(variables, per_example)
     ]
 

@@ -224,14 +224,7 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
     if layer.use_bias:
         gb = tf.reduce_sum(g, axis=1)  # [B, C_out]
-        out.append(
-            VariableGrad(
-                variable=layer.bias,
-                sq_norm=linear.rowwise_sq_norm(gb),
-                weighted_sum=lambda w: tf.cast(linear.weighted_rows(gb, w), layer.bias.dtype),
-                path="ghost",
-            )
-        )
+        out.append(linear.from_per_example(layer.bias, gb, path="ghost"))
     return out
 
 

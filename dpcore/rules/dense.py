@@ -58,28 +58,17 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     path, _ = linear.choose_path(a.shape[1], d, p)
     kernel = layer.kernel
     if path == "materialized":  # the [B, D, P] grads serve the norm and the clipped sum
-        per_example = linear.materialize(a, g)
-        sq = linear.rowwise_sq_norm(per_example)
-
-        def kernel_sum(w: tf.Tensor) -> tf.Tensor:
-            return tf.cast(linear.weighted_rows(per_example, w), kernel.dtype)
+        out = [linear.from_per_example(kernel, linear.materialize(a, g), path=path)]
     else:
-        sq = linear.sq_norm(a, g, path)
 
         def kernel_sum(w: tf.Tensor) -> tf.Tensor:
             return tf.cast(linear.weighted_outer(a, g, w), kernel.dtype)
 
-    out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
+        sq = linear.sq_norm(a, g, path)
+        out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
     if layer.bias is not None:
         gb = tf.reduce_sum(tf.cast(g, tf.float32), axis=1)  # [B, P]
-        out.append(
-            VariableGrad(
-                variable=layer.bias,
-                sq_norm=linear.rowwise_sq_norm(gb),
-                weighted_sum=lambda w: tf.cast(linear.weighted_rows(gb, w), layer.bias.dtype),
-                path="ghost",
-            )
-        )
+        out.append(linear.from_per_example(layer.bias, gb, path="ghost"))
     return out
 
 
@@ -210,14 +199,7 @@ def _einsum_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         bias_letters = "".join(c for c in s["out"] if c in layer.bias_axes)
         gb = tf.add_n([tf.einsum(f"{s['out']}->{b}{bias_letters}", g) for g in gs])
         gb = tf.reshape(gb, [-1, *layer.bias.shape])
-        out.append(
-            VariableGrad(
-                variable=layer.bias,
-                sq_norm=linear.rowwise_sq_norm(gb),
-                weighted_sum=lambda w: tf.cast(linear.weighted_rows(gb, w), layer.bias.dtype),
-                path="ghost",
-            )
-        )
+        out.append(linear.from_per_example(layer.bias, gb, path="ghost"))
     return out
 
 

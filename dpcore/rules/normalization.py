@@ -95,17 +95,7 @@ def _affine_grads(
             b = tf.shape(uses[0].grad)[0]
             per_example = tf.zeros(tf.concat([[b], tf.constant(var.shape, tf.int32)], 0))
 
-        def weighted_sum(w, per_example=per_example, var=var):
-            return tf.cast(linear.weighted_rows(per_example, w), var.dtype)
-
-        out.append(
-            VariableGrad(
-                variable=var,
-                sq_norm=linear.rowwise_sq_norm(per_example),
-                weighted_sum=weighted_sum,
-                path="ghost",
-            )
-        )
+        out.append(linear.from_per_example(var, per_example, path="ghost"))
     return out
 
 
