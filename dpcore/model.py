@@ -142,9 +142,7 @@ class DPModel(keras.Model):
             raise TypeError(f"model must be a Keras model, got {type(model).__name__}.")
         if isinstance(model, DPModel):
             raise ValueError("model is already a DPModel; wrap the plain Keras model once.")
-        validation.check_layers(model)
-        if model.built:
-            validation.check_trainable(model)
+        validation.check_model(model, require_variables=model.built)
         super().__init__(name=name or f"dp_{model.name}", **kwargs)
         self.model = model
         self.method = method
@@ -295,8 +293,7 @@ class DPModel(keras.Model):
             self.reset_metrics()
 
     def _check_ready(self) -> None:
-        validation.check_layers(self.model)
-        validation.check_trainable(self.model)
+        validation.check_model(self.model)
         if self._per_example_loss is None:
             raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
 

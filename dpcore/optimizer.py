@@ -563,7 +563,7 @@ def dp_step(
             "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
             "noise_multiplier=..., expected_batch_size=...)."
         )
-    validation.check_trainable(model)
+    validation.check_model(model, x, training=training)
     variables = list(model.trainable_variables)
     summary = engine.summarize(
         model,

@@ -3,7 +3,10 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
+from dpcore import engine
+from dpcore.optimizer import DPOptimizer, dp_step, dp_train_step
 from dpcore.validation import check_layers, check_trainable, find_batch_mixing_layers
 
 
@@ -71,7 +74,7 @@ def test_custom_batch_norm_subclass_and_frozen_batch_norm():
 def test_stateful_rnn_is_refused():
     model = keras.Sequential(
         [
-            keras.Input((5, 2), batch_size=4),
+            keras.Input((5, 2), batch_size=1),
             keras.layers.LSTM(3, stateful=True, name="lstm"),
             keras.layers.Dense(1),
         ],
@@ -79,6 +82,18 @@ def test_stateful_rnn_is_refused():
     )
     with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):
         check_layers(model)
+    # Every training entry point refuses it too (batch size 1: state carried example to example).
+    x = np.ones((1, 5, 2), "float32")
+    y = np.ones((1, 1), "float32")
+    opt = DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=1
+    )
+    with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):
+        dp_step(model, "mse", x, y, optimizer=opt, method="vectorized")
+    with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):
+        tf.function(lambda a, b: dp_train_step(model, "mse", a, b, optimizer=opt))(x, y)
+    with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):
+        engine.summarize(model, "mse", x, y)
 
 
 def test_model_without_trainable_variables_is_refused():

@@ -25,6 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from dpcore import validation
 from dpcore.engine.summary import GradientSummary, check_variables, prepare_batch
 from dpcore.engine.vectorized import materialize, vectorized_summary
 from dpcore.losses import per_example_loss_fn
@@ -96,6 +97,7 @@ def summarize(
     variables = check_variables(model.trainable_variables if variables is None else variables)
     loss_fn = per_example_loss_fn(loss)
     x, y, sample_weight, mask = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
+    validation.check_model(model, x, training=training, require_variables=False)
     use_fast = method == "fast" or (
         method == "auto" and chunk_size is None and _fast_available(model)
     )
