@@ -19,6 +19,19 @@ Contract:
     O(N) Bernoulli vector and gathers only the selected rows, so memory stays bounded.
   * `shuffled_batches` yields the same 4-tuple for the (non-Poisson) shuffle mode: every
     example exactly once per epoch, the last partial batch padded and masked.
+  * Every returned dataset carries a `SamplingSpec` (read it with `sampling_spec(ds)`): the
+    sampling mode, N, q, the expected batch size, the logical steps per iteration, the padded
+    size P and the first step index. `DPModel.fit` refuses data whose expected batch size
+    differs from the optimizer's, and the privacy callbacks refuse data whose sampling differs
+    from their `DPConfig`, before the first step. The spec is a Python attribute of the dataset
+    object: tf.data transformations (`.map`, `.prefetch`, `.take`, ...) return new datasets
+    without it. `DPModel.fit` keeps it through its own re-wrapping; after a transformation of
+    your own, re-attach it with `with_sampling_spec(new_ds, sampling_spec(ds))` if (and only
+    if) the transformation keeps every element and its order (a per-element `.map` does;
+    `.filter`, `.take`, `.shuffle`, `.repeat` or re-batching do not). Untagged
+    `(x, y, mask, step_end)` data is refused by callbacks that account for Poisson sampling.
+  * A logical step never spans two iterations: each iteration holds exactly `steps` logical
+    steps and its last element has `step_end=True`.
   * Every iteration over a returned dataset (e.g. each epoch of `model.fit(ds, epochs=k)`)
     draws fresh samples: the per-step keys are folded with a per-iteration salt, so iterating
     twice never replays the same Poisson samples, whose accounting as 2x`steps` independent
@@ -31,6 +44,7 @@ Consumers must normalise by the expected batch size q * N, never by the realized
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -39,10 +53,13 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = [
+    "SamplingSpec",
+    "num_examples",
     "padded_batch_size_for",
     "poisson_batches",
+    "sampling_spec",
     "shuffled_batches",
-    "num_examples",
+    "with_sampling_spec",
 ]
 
 DEFAULT_FAILURE_PROB = 1e-12
@@ -144,6 +161,186 @@ def num_examples(x: Any, y: Any) -> int:
     if n < 1:
         raise ValueError("The dataset is empty.")
     return n
+
+
+_MODES = ("poisson", "shuffle")
+_SAMPLERS = {"poisson": "poisson_batches", "shuffle": "shuffled_batches"}
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal up to float rounding (q * N against a batch size given directly)."""
+    return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """How a sampler's dataset draws its batches; carried with the dataset it describes.
+
+    `poisson_batches` and `shuffled_batches` attach one to the dataset they return (read it
+    with `sampling_spec`). `dpcore.DPModel.fit` checks it against the optimizer's
+    `expected_batch_size`, and `EpsilonCallback` / `PrivacyBudgetGuard` against their
+    `DPConfig`, before the first step.
+
+    Attributes:
+      sampling: `"poisson"` (each example independently with probability `sampling_prob` at
+        every step) or `"shuffle"` (fixed-size batches, every example once per pass).
+      num_examples: N, the size of the dataset sampled from.
+      sampling_prob: Poisson: q. Shuffle: min(batch size, N) / N (a fraction of the data per
+        step, not an amplification).
+      expected_batch_size: the divisor the optimizer must use: q * N (Poisson), the fixed
+        batch size (shuffle).
+      steps: logical steps in one iteration over the dataset (one Keras epoch).
+      padded_batch_size: rows in every element (P).
+      start_step: Poisson: index of the first step (resumed runs); 0 for shuffle.
+    """
+
+    sampling: str
+    num_examples: int
+    sampling_prob: float
+    expected_batch_size: float
+    steps: int
+    padded_batch_size: int
+    start_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling not in _MODES:
+            raise ValueError(f"sampling must be one of {_MODES}, got {self.sampling!r}.")
+        for name in ("num_examples", "padded_batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}.")
+        for name in ("steps", "start_step"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
+        if not 0.0 < float(self.sampling_prob) <= 1.0:
+            raise ValueError(f"sampling_prob must be in (0, 1], got {self.sampling_prob!r}.")
+        poisson = self.sampling == "poisson"
+        if poisson and not _same(self.expected_batch_size, self.sampling_prob * self.num_examples):
+            raise ValueError(
+                f"expected_batch_size={self.expected_batch_size!r} is not sampling_prob="
+                f"{self.sampling_prob!r} x num_examples={self.num_examples!r}."
+            )
+
+    def _describe(self) -> str:
+        if self.sampling == "poisson":
+            return (
+                f"poisson_batches(sampling_prob={self.sampling_prob:.6g}) over "
+                f"num_examples={self.num_examples}"
+            )
+        return (
+            f"shuffled_batches(batch_size={int(self.expected_batch_size)}) over "
+            f"num_examples={self.num_examples}"
+        )
+
+    def check_expected_batch_size(self, expected_batch_size: float) -> None:
+        """Refuses an optimizer whose divisor is not this sampling's expected batch size.
+
+        Raises:
+          ValueError: naming both values.
+        """
+        if not _same(expected_batch_size, self.expected_batch_size):
+            raise ValueError(
+                f"the data comes from {self._describe()}, whose expected batch size is "
+                f"{self.expected_batch_size:.6g}, but the optimizer's expected_batch_size="
+                f"{float(expected_batch_size):.6g}: the noised sum would be normalized for a "
+                "different sampling than the one that runs. Build the sampler and the "
+                "optimizer from one DPConfig (sampling_prob=config.sampling_prob)."
+            )
+
+    def check_config(self, config: Any) -> None:
+        """Refuses a `DPConfig` that accounts for a different sampling than this one.
+
+        Args:
+          config: the `dpcore.DPConfig` whose DpEvent is reported.
+
+        Raises:
+          ValueError: for a different sampling mode, dataset size, sampling probability
+            (Poisson) or batch size (shuffle), naming both values.
+
+        Privacy:
+          The reported epsilon is the DpEvent of `config`; it is the run's only if the data
+          was drawn the way the event assumes.
+        """
+        if config.sampling != self.sampling:
+            raise ValueError(
+                f"the config accounts for sampling={config.sampling!r}, but the data comes from "
+                f"{self._describe()} (sampling={self.sampling!r}): the reported epsilon would "
+                f"not be the run's. Use DPConfig(sampling={self.sampling!r}, ...) or feed "
+                f"dpcore.sampling.{_SAMPLERS[config.sampling]}."
+            )
+        if int(config.num_examples) != self.num_examples:
+            raise ValueError(
+                f"the config accounts for num_examples={config.num_examples}, but the data "
+                f"comes from {self._describe()}."
+            )
+        if self.sampling == "poisson" and not _same(config.sampling_prob, self.sampling_prob):
+            raise ValueError(
+                f"the config accounts for sampling_prob={config.sampling_prob:.6g} (expected_"
+                f"batch_size={config.expected_batch_size:.6g} / num_examples="
+                f"{config.num_examples}), but the data was sampled with sampling_prob="
+                f"{self.sampling_prob:.6g}: the reported epsilon would not be the run's. Pass "
+                "sampling_prob=config.sampling_prob to poisson_batches."
+            )
+        if self.sampling == "shuffle" and not _same(
+            config.expected_batch_size, self.expected_batch_size
+        ):
+            raise ValueError(
+                f"the config accounts for batches of expected_batch_size="
+                f"{config.expected_batch_size:.6g}, but the data comes from {self._describe()}."
+            )
+
+
+def sampling_spec(dataset: Any) -> SamplingSpec | None:
+    """The `SamplingSpec` a dataset carries, or None (not a sampler's dataset, or transformed).
+
+    Args:
+      dataset: any object; only a `tf.data.Dataset` returned by a sampler (or tagged with
+        `with_sampling_spec`) carries a spec.
+
+    Returns:
+      The spec, or None.
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        return None
+    spec = getattr(dataset, "dpcore_sampling_spec", None)
+    return spec if isinstance(spec, SamplingSpec) else None
+
+
+def with_sampling_spec(dataset: tf.data.Dataset, spec: SamplingSpec) -> tf.data.Dataset:
+    """Attaches `spec` to `dataset` (the same object, returned for chaining).
+
+    Use it to keep a sampler's spec through a per-element transformation of your own, e.g.
+    `with_sampling_spec(ds.map(augment), sampling_spec(ds))`, or to declare how a pipeline of
+    your own samples.
+
+    Args:
+      dataset: a dataset of `(x, y, mask, step_end)` elements with `spec.padded_batch_size` rows.
+      spec: how its batches are drawn.
+
+    Returns:
+      `dataset`, now carrying `spec`.
+
+    Raises:
+      TypeError: for a non-dataset or a non-`SamplingSpec`.
+      ValueError: if the elements are not `(x, y, mask, step_end)` with P rows.
+
+    Privacy:
+      The spec is a claim that the callbacks account for: attach it only to data drawn that
+      way. A transformation that drops, adds, reorders or regroups elements (`.filter`,
+      `.take`, `.shuffle`, `.repeat`, re-batching) changes the sampling: do not re-attach then.
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"dataset must be a tf.data.Dataset, got {type(dataset).__name__}.")
+    if not isinstance(spec, SamplingSpec):
+        raise TypeError(f"spec must be a dpcore.sampling.SamplingSpec, got {spec!r}.")
+    element = dataset.element_spec
+    ok = isinstance(element, tuple) and len(element) == 4 and element[3].shape.rank == 0
+    if not ok or element[2].shape.as_list() != [spec.padded_batch_size]:
+        raise ValueError(
+            f"with_sampling_spec needs (x, y, mask, step_end) elements with a mask of shape "
+            f"[{spec.padded_batch_size}] (the spec's padded_batch_size), got {element}."
+        )
+    dataset.dpcore_sampling_spec = spec
+    return dataset
 
 
 def _entropy_seed() -> int:
@@ -256,7 +453,7 @@ def poisson_batches(
         Iterating the returned dataset again (another Keras epoch) draws fresh samples.
 
     Returns:
-      A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)`.
+      A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)` carrying its `SamplingSpec`.
 
     Privacy:
       This is the Poisson subsampling that `PoissonSampledDpEvent(sampling_prob, ...)` accounts
@@ -291,7 +488,18 @@ def poisson_batches(
 
         return tf.data.Dataset.range(start, start + int(steps)).flat_map(step_sample)
 
-    return _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE)
+    spec = SamplingSpec(
+        sampling="poisson",
+        num_examples=n,
+        sampling_prob=q,
+        expected_batch_size=q * n,
+        steps=int(steps),
+        padded_batch_size=p,
+        start_step=start,
+    )
+    return with_sampling_spec(
+        _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE), spec
+    )
 
 
 def shuffled_batches(
@@ -317,7 +525,7 @@ def shuffled_batches(
       seed: non-negative integer seed; None draws one from OS entropy.
 
     Returns:
-      A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)`.
+      A `tf.data.Dataset` of `(x_batch, y_batch, mask, step_end)` carrying its `SamplingSpec`.
 
     Privacy:
       This is NOT Poisson sampling: the accountant must not apply Poisson amplification to
@@ -349,4 +557,14 @@ def shuffled_batches(
 
         return tf.data.Dataset.range(int(epochs)).flat_map(epoch_batches)
 
-    return _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE)
+    spec = SamplingSpec(
+        sampling="shuffle",
+        num_examples=n,
+        sampling_prob=min(b, n) / n,
+        expected_batch_size=float(b),
+        steps=int(epochs) * ((n + b - 1) // b),
+        padded_batch_size=b,
+    )
+    return with_sampling_spec(
+        _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE), spec
+    )
