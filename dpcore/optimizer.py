@@ -318,6 +318,27 @@ class DPOptimizer(keras.optimizers.Optimizer):
             tf.convert_to_tensor(self.noise_seed), tf.convert_to_tensor(self.dp_steps)
         )
 
+    def discard_open_step(self) -> int:
+        """Drops the micro-batches accumulated towards a logical step that has not ended.
+
+        For a caller that starts a new pass over its data, which can only start a new step
+        (e.g. ``DPModel.fit`` on sampler batches, a run restored from a checkpoint saved
+        mid-step): continuing the old step would put two samples into one noised update.
+
+        Returns:
+          The number of micro-batches dropped (0 when the last step ended).
+
+        Privacy:
+          Accumulated micro-batches are released only when their step ends (noise added once,
+          then applied), so dropping them releases nothing and records no step.
+        """
+        pending = int(keras.ops.convert_to_numpy(self.micro_steps))
+        if pending:
+            for a in self._accumulators:
+                a.assign(tf.zeros(a.shape, a.dtype))
+            self.micro_steps.assign(0)
+        return pending
+
     def apply_clipped_sum(
         self,
         clipped: ClippedSum,
