@@ -14,9 +14,13 @@ Contract:
   * `PrivacyBudgetGuard` computes once, at the start of training, how many more logical
     steps keep ε <= target_epsilon (steps already spent included), then stops training
     before a batch would go past that. If no step fits, it raises `RuntimeError`.
-  * Both refuse to report a Poisson ε for a `DPModel` fed with arrays (Keras's fixed-size
-    shuffled batches) and warn for a dataset of plain `(x, y)` batches: the account must match
-    the sampling that ran (`check_feed_matches_sampling`).
+  * Before the first step both check the sampling that runs against their `DPConfig`
+    (`check_feed_matches_sampling`): data from `dpcore.sampling` carries a `SamplingSpec`, and
+    a different sampling mode, N, q (Poisson) or batch size (shuffle) is refused with both
+    values named. Without a spec, a Poisson config is refused for a `DPModel` fed with arrays
+    (Keras's fixed-size shuffled batches) or with `(x, y, mask, step_end)` batches whose spec a
+    tf.data transformation dropped, and gets a warning for a dataset of plain `(x, y)` batches.
+    ε is always computed from the steps applied (`dp_steps`), never from `config.steps`.
   * Both work with any Keras 3 model and optimizer; nothing here touches Keras internals.
 """
 
@@ -34,6 +38,7 @@ from dpcore.accounting import calibration
 from dpcore.accounting import events as ev
 from dpcore.accounting.ledger import PrivacyLedger
 from dpcore.config import DPConfig
+from dpcore.sampling import SamplingSpec
 
 __all__ = ["EpsilonCallback", "PrivacyBudgetGuard"]
 
@@ -59,19 +64,29 @@ def _read_pending_micro_steps(model: Any) -> int:
 
 
 def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
-    """Refuses a Poisson account of batches that were not Poisson-sampled.
+    """Refuses an account of a sampling other than the one that runs.
 
     ``dpcore.DPModel.fit`` records how it was fed: ``"arrays"`` (Keras cuts arrays into
     fixed-size, shuffled batches), ``"dataset"`` (a dataset of ``(x, y[, sample_weight])``,
     normally fixed-size batches) or ``"masked_batches"`` (``(x, y, mask, step_end)``, what
-    ``dpcore.sampling`` yields). Other models record nothing and are not checked.
+    ``dpcore.sampling`` yields), and the data's ``SamplingSpec`` when it carries one. Other
+    models record nothing and are not checked.
 
     Raises:
-      ValueError: for ``config.sampling == "poisson"`` with arrays: the reported ε would assume
-        an amplification that the sampling that ran does not give.
+      ValueError: for a ``SamplingSpec`` that disagrees with ``config`` (sampling mode, N, q or
+        batch size), or for ``config.sampling == "poisson"`` with arrays or with untagged
+        ``(x, y, mask, step_end)`` batches: the reported ε would assume a sampling that may not
+        be the one that ran.
+
+    Privacy:
+      The ε reported for ``config`` holds only for data drawn as its DpEvent assumes.
     """
+    spec = getattr(model, "sampling_spec", None)
+    if isinstance(spec, SamplingSpec):
+        spec.check_config(config)
+        return
     feed = getattr(model, "data_feed", None)
-    if config.sampling != "poisson" or feed in (None, "masked_batches"):
+    if config.sampling != "poisson" or feed is None:
         return
     if feed == "arrays":
         raise ValueError(
@@ -79,6 +94,15 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
             "into fixed-size shuffled batches: that epsilon would be an assumption, not a "
             "guarantee. Feed dpcore.sampling.poisson_batches(x, y, sampling_prob=..., steps=...), "
             "or account for what runs with DPConfig(sampling='shuffle', ...)."
+        )
+    if feed == "masked_batches":
+        raise ValueError(
+            "the config accounts for Poisson sampling with sampling_prob="
+            f"{config.sampling_prob:.6g}, but fit was given (x, y, mask, step_end) batches that "
+            "carry no dpcore.sampling.SamplingSpec (a tf.data transformation such as .map drops "
+            "it), so what sampling ran is unknown. Feed dpcore.sampling.poisson_batches(...) as "
+            "returned, or re-attach its spec after a per-element .map: "
+            "dpcore.sampling.with_sampling_spec(mapped, dpcore.sampling.sampling_spec(ds))."
         )
     warnings.warn(
         "dpcore: the config accounts for Poisson sampling, but fit was given a dataset of "

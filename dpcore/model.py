@@ -15,6 +15,16 @@ Contract:
 - Under a multi-replica ``tf.distribute`` strategy, ``fit``/``evaluate`` pad the sampler's
   batches with masked rows to a multiple of the replicas and copy ``step_end`` to every row, so
   Keras can split them; the update equals the single-device one (tested with 2 replicas).
+- Fed ``(x, y, mask, step_end)`` batches, ``fit`` counts one Keras batch per LOGICAL step (all
+  its chunks, up to ``step_end``): an epoch, a ``steps_per_epoch`` limit or a callback's stop can
+  only fall between steps, so a step never spans two passes over the data and the optimizer's
+  ``dp_steps`` equals the sampled steps. A pass that ends inside a step is refused, and an
+  unfinished step found at the start of ``fit`` (an interrupted run, a checkpoint saved mid-step)
+  is dropped, never merged with the new pass's first step.
+- The sampler's :class:`~dpcore.sampling.SamplingSpec` is read from the dataset (before ``fit``
+  re-wraps it) and kept as ``sampling_spec``; ``fit`` refuses one whose expected batch size is
+  not the optimizer's ``expected_batch_size``, and the privacy callbacks check it against their
+  ``DPConfig``.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dpcore import validation
+from dpcore import sampling, validation
 from dpcore.losses import per_example_loss_fn
 from dpcore.optimizer import DPOptimizer, dp_step
 
@@ -152,6 +162,9 @@ class DPModel(keras.Model):
         # How the last fit was fed ("arrays", "dataset" or "masked_batches"): the privacy
         # callbacks check it against the sampling their config accounts for.
         self.data_feed: str | None = None
+        # The sampling the last fit's data carried (None: arrays, plain or untagged datasets).
+        self.sampling_spec: sampling.SamplingSpec | None = None
+        self._whole_steps = False  # a train-function call runs whole logical steps
         self._per_example_loss = None
         if model.built:  # the wrapper owns no variables of its own
             self.built = True
@@ -172,13 +185,31 @@ class DPModel(keras.Model):
         add elements), so an epoch ends when it is exhausted. Keras then warns "Your input ran
         out of data; interrupting training" although nothing was cut short; that one warning is
         silenced when no ``steps_per_epoch`` was asked for, the only case where it is spurious.
+
+        On ``(x, y, mask, step_end)`` batches one Keras batch is one logical step (every chunk
+        up to ``step_end``): progress bars, ``steps_per_epoch`` and batch-level callbacks count
+        logical steps, and an epoch ends only between steps.
+
+        Raises:
+          ValueError: before the first step, if the dataset's
+            :class:`~dpcore.sampling.SamplingSpec` expects another batch size than the
+            optimizer's ``expected_batch_size``; during training, if a pass over
+            ``(x, y, mask, step_end)`` data ends inside a logical step.
+
+        Privacy:
+          An unfinished logical step left in the optimizer (interrupted run, checkpoint saved
+          mid-step) is dropped with a warning when a fit on sampler batches starts: a new pass
+          never joins a step of the previous one, so each noised update sums one sample.
         """
+        self.sampling_spec = sampling.sampling_spec(x)
         if not isinstance(x, tf.data.Dataset):
             self.data_feed = "arrays"
             return super().fit(x, y, *args, **kwargs)
         spec = x.element_spec
         masked = isinstance(spec, tuple) and len(spec) == 4
         self.data_feed = "masked_batches" if masked else "dataset"
+        if masked:
+            self._start_pass_at_step_boundary()
         if len(args) < 7:  # `shuffle` not given positionally
             kwargs.setdefault("shuffle", False)
         replicas = self.distribute_strategy.num_replicas_in_sync
@@ -186,8 +217,76 @@ class DPModel(keras.Model):
             kwargs["validation_data"] = _for_replicas(kwargs["validation_data"], replicas)
         steps_given = kwargs.get("steps_per_epoch") is not None or len(args) >= 11
         self._build_compiled_state(x)
-        with _quiet_end_of_data(x, steps_given):
-            return super().fit(_for_replicas(x, replicas), y, *args, **kwargs)
+        self._whole_steps = masked
+        try:
+            with _quiet_end_of_data(x, steps_given):
+                return super().fit(_for_replicas(x, replicas), y, *args, **kwargs)
+        finally:
+            self._whole_steps = False
+
+    def _start_pass_at_step_boundary(self) -> None:
+        """Checks the data's sampling against the optimizer and drops an unfinished step.
+
+        Raises:
+          ValueError: if the data's ``SamplingSpec`` has another expected batch size than the
+            optimizer's ``expected_batch_size``.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, DPOptimizer):
+            return  # not compiled: Keras says so
+        if self.sampling_spec is not None:
+            self.sampling_spec.check_expected_batch_size(optimizer.expected_batch_size)
+        dropped = optimizer.discard_open_step()
+        if dropped:
+            warnings.warn(
+                f"dpcore: the optimizer held {dropped} micro-batch(es) of a logical step that "
+                "never ended (an interrupted fit, or a checkpoint saved mid-step). A new pass "
+                "over the data starts a new step, so they were dropped: nothing of them was "
+                "released. With a fixed sampler seed, resume with poisson_batches(..., "
+                "start_step=int(optimizer.dp_steps)) to draw that step again.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """Keras's train function; under ``fit`` on ``(x, y, mask, step_end)`` batches each call
+        runs whole logical steps (it goes on until the optimizer's step has ended).
+
+        Keras learns an epoch's length from the first pass over a dataset of unknown size and
+        cuts later passes at that count. A pass of the sampler holds a fixed number of logical
+        steps but a random number of chunks, so counting chunks would cut a pass inside a step
+        and carry that step into the next pass. Counting steps makes every cut a step boundary.
+
+        Raises:
+          ValueError: (when called) if the data ends inside a logical step; the unfinished
+            step is dropped first.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        keras_function = self.train_function
+
+        def whole_steps(iterator: Any) -> Any:
+            logs = keras_function(iterator)
+            while self._whole_steps and self._step_open():
+                try:
+                    logs = keras_function(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError) as end:
+                    dropped = self.optimizer.discard_open_step()
+                    raise ValueError(
+                        f"the data ended inside a logical step ({dropped} chunk(s) without "
+                        "step_end=True): a pass over the data must end at a step boundary (its "
+                        "last element has step_end=True). dpcore.sampling's datasets do; cutting "
+                        "one (e.g. .take(n)) does not. The unfinished step was dropped."
+                    ) from end
+            return logs
+
+        self.train_function = whole_steps
+        return whole_steps
+
+    def _step_open(self) -> bool:
+        """Whether the optimizer holds micro-batches of a logical step that has not ended."""
+        return int(keras.ops.convert_to_numpy(self.optimizer.micro_steps)) > 0
 
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Keras ``evaluate``; also takes the sampler's datasets (padding rows are ignored),

@@ -224,14 +224,14 @@ def test_sigma_schedule_with_a_dp_optimizer_is_recorded_as_it_ran():
 
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(50)])
     opt = dpcore.DPOptimizer(
-        keras.optimizers.SGD(1.0),
+        keras.optimizers.SGD(4.0),
         l2_norm_clip=1.0,
         noise_multiplier=1.0,
-        expected_batch_size=1.0,
+        expected_batch_size=4.0,
         seed=1,
     )
     dp = dpcore.make_private(model, optimizer=opt, loss=keras.losses.MeanSquaredError())
-    n = 4  # all-padding batches: every update is noise only, std sigma * C / 1
+    n = 4  # all-padding batches: every update is noise only, std lr * sigma * C / 4 = sigma
     ds = tf.data.Dataset.from_tensor_slices(
         (
             np.zeros((n, 4, 20), "float32"),
@@ -239,6 +239,19 @@ def test_sigma_schedule_with_a_dp_optimizer_is_recorded_as_it_ran():
             np.zeros((n, 4), "float32"),
             np.ones(n, bool),
         )
+    )
+    # A hand-made dataset declares the sampling it stands for (a Poisson account refuses
+    # (x, y, mask, step_end) data that carries no spec).
+    ds = dpcore.sampling.with_sampling_spec(
+        ds,
+        dpcore.sampling.SamplingSpec(
+            sampling="poisson",
+            num_examples=100,
+            sampling_prob=0.04,
+            expected_batch_size=4.0,
+            steps=n,
+            padded_batch_size=4,
+        ),
     )
     schedule, stds = {0: 1.0, 1: 4.0}, []
 
