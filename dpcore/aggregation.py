@@ -25,6 +25,10 @@ import tensorflow as tf
 from dpcore.engine.summary import GradientSummary
 
 _TINY = 1e-12
+# An example's contribution to a clipped sum has norm at most C * (1 + CONTRIBUTION_TOLERANCE):
+# its certified norm bound (dpcore.norms) covers the rounding of the weighted sum over the example's
+# own terms; this covers the final float32 roundings of the factor and of each weighted term.
+CONTRIBUTION_TOLERANCE = 1e-6
 
 
 def _check_clip(name: str, value: float) -> float:
@@ -88,13 +92,20 @@ class ClippedSum:
 
 
 def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float) -> tf.Tensor:
-    """``min(1, l2_norm_clip / norm)`` elementwise (1 for a zero norm).
+    """``min(1, l2_norm_clip / norm)`` elementwise (1 for a zero norm), in float64.
 
     Privacy:
-      A scaled gradient has norm at most ``l2_norm_clip``.
+      A gradient of norm at most ``norm`` scaled by the factor has norm at most ``l2_norm_clip``.
     """
     l2_norm_clip = _check_clip("l2_norm_clip", l2_norm_clip)
-    return tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, _TINY))
+    norms = tf.cast(norms, tf.float64)
+    return tf.minimum(tf.constant(1.0, tf.float64), l2_norm_clip / tf.maximum(norms, _TINY))
+
+
+def _round_down_f32(w: tf.Tensor) -> tf.Tensor:
+    """float64 -> float32 rounded toward zero, so a clip factor never grows when cast."""
+    w32 = tf.cast(w, tf.float32)
+    return tf.where(tf.cast(w32, tf.float64) > w, tf.math.nextafter(w32, tf.zeros_like(w32)), w32)
 
 
 def clip(
@@ -104,6 +115,11 @@ def clip(
     variable_groups: Sequence[int] | None = None,
 ) -> ClippedSum:
     """Clips every example's gradient and sums them.
+
+    The norms are the engine's certified upper bounds (:mod:`dpcore.norms`), combined and turned
+    into factors in float64; the factors are rounded toward zero to float32. So each example's
+    contribution to ``grads`` has norm at most ``C * (1 + CONTRIBUTION_TOLERANCE)`` whatever its
+    values, the tolerance covering the float32 products of the weighted sum itself.
 
     Args:
       summary: the engine's per-example norms and weighted-sum function for one batch.
@@ -119,9 +135,11 @@ def clip(
       Each example's contribution to each group is scaled to norm ``<= C_g``; masked examples get
       weight 0. The result must receive noise before it leaves the trusted step.
     """
-    sq = tf.cast(summary.sq_norms, tf.float32)
+    sq = tf.cast(summary.sq_norms, tf.float64)
     num_vars = len(summary.variables)
-    mask = tf.cast(summary.mask, tf.float32)
+    mask = tf.cast(summary.mask, tf.float64)
+    # Summing V float64 squares adds at most gamma_V (float64): keep the result an upper bound.
+    inflate = 1.0 + 2.0 * (num_vars + 2) * 2.0**-53
     if isinstance(l2_norm_clip, (list, tuple)):
         bounds = [_check_clip("l2_norm_clip", c) for c in l2_norm_clip]
         groups = list(range(num_vars)) if variable_groups is None else list(variable_groups)
@@ -134,23 +152,26 @@ def clip(
                 f"variable_groups={groups} must use every group index 0..{len(bounds) - 1} "
                 f"(one per l2_norm_clip bound, got {len(bounds)} bounds)."
             )
-        one_hot = tf.one_hot(groups, len(bounds), dtype=tf.float32)  # [V, G]
-        group_norms = tf.sqrt(tf.matmul(sq, one_hot))  # [B, G]
-        factors = tf.minimum(1.0, tf.constant(bounds) / tf.maximum(group_norms, _TINY))
+        one_hot = tf.one_hot(groups, len(bounds), dtype=tf.float64)  # [V, G]
+        group_norms = tf.sqrt(tf.matmul(sq, one_hot) * inflate)  # [B, G]
+        factors = tf.minimum(
+            tf.constant(1.0, tf.float64),
+            tf.constant(bounds, tf.float64) / tf.maximum(group_norms, _TINY),
+        )
         weights = tf.matmul(factors, one_hot, transpose_b=True)  # [B, V]
         sensitivity = math.sqrt(sum(c * c for c in bounds))
     else:
         c = _check_clip("l2_norm_clip", l2_norm_clip)
-        factors = clip_factors(tf.sqrt(tf.reduce_sum(sq, axis=1)), l2_norm_clip=c)
+        factors = clip_factors(tf.sqrt(tf.reduce_sum(sq, axis=1) * inflate), l2_norm_clip=c)
         weights = tf.tile(factors[:, None], [1, num_vars])
         sensitivity = c
-    weights = weights * mask[:, None]
+    weights = _round_down_f32(weights * mask[:, None])
     grads = tuple(summary.weighted_sum(weights))
     return ClippedSum(
         grads=grads,
         l2_sensitivity=sensitivity,
-        num_examples=tf.reduce_sum(mask),
-        per_example_norms=tf.sqrt(tf.reduce_sum(sq, axis=1)) * mask,
+        num_examples=tf.cast(tf.reduce_sum(mask), tf.float32),
+        per_example_norms=tf.cast(tf.sqrt(tf.reduce_sum(sq, axis=1)) * mask, tf.float32),
         clip_weights=weights,
         per_example_loss=summary.per_example_loss,
     )

@@ -36,7 +36,7 @@ from dpcore.engine.registry import (
     default_registry,
     lookup,
 )
-from dpcore.engine.summary import GradientSummary, check_variables
+from dpcore.engine.summary import GradientSummary, check_variables, weighted_loss
 from dpcore.rules import linear
 
 __all__ = ["fast_summary", "supports", "fallback_reason"]
@@ -212,7 +212,7 @@ def _watchable(variable: Any) -> Any:
 def _zero_grad(variable: Any, batch: tf.Tensor) -> VariableGrad:
     return VariableGrad(
         variable=variable,
-        sq_norm=tf.zeros([batch], tf.float32),
+        sq_norm=tf.zeros([batch], tf.float64),
         weighted_sum=lambda w: tf.zeros(variable.shape, variable.dtype),
         path="unused",
     )
@@ -292,7 +292,7 @@ def fast_summary(
             recorder = _Recorder(tape, registry, wanted, training)
             recorder.want(variables)
             y_pred = graph.run(model, x, training=training, layer_fn=recorder)
-            per_example_loss = tf.cast(loss_fn(y, y_pred), tf.float32) * weights
+            per_example_loss = weighted_loss(loss_fn, y, y_pred, weights)
             total = tf.reduce_sum(per_example_loss)
     except _OutsideUse as outside:  # raised while tracing, before anything ran
         return whole_model_fallback(str(outside))
@@ -315,7 +315,8 @@ def fast_summary(
         for vg in found:
             by_variable[id(vg.variable)] = vg
     per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]
-    sq_norms = tf.stack([vg.sq_norm for vg in per_var], axis=1) * tf.cast(mask, tf.float32)[:, None]
+    sq_norms = tf.stack([tf.cast(vg.sq_norm, tf.float64) for vg in per_var], axis=1)
+    sq_norms = sq_norms * tf.cast(mask, tf.float64)[:, None]
 
     def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
         clip_weights = tf.cast(clip_weights, tf.float32)

@@ -46,7 +46,10 @@ class VariableGrad:
 
     Attributes:
       variable: the variable.
-      sq_norm: ``[B]`` float32 squared L2 norm of each example's gradient for this variable.
+      sq_norm: ``[B]`` certified upper bound (float64) of the squared L2 norm of what each example
+        contributes to ``weighted_sum`` for this variable: never below the true value, for any
+        finite input (see :mod:`dpcore.norms`; :func:`dpcore.rules.linear.from_per_example`
+        gives it for a rule that materializes per-example gradients).
       weighted_sum: ``w [B] -> sum_i w_i * grad_i`` shaped like the variable.
       path: how the norm was computed (``"ghost"``, ``"materialized"``, ...).
     """

@@ -23,8 +23,9 @@ class GradientSummary:
 
     Attributes:
       variables: the variables the gradients are taken with respect to, in order.
-      sq_norms: ``[B, V]`` float32: squared L2 norm of example ``i``'s gradient for variable ``v``
-        (zero for masked examples).
+      sq_norms: ``[B, V]`` float64: a certified upper bound (:mod:`dpcore.norms`) of the squared
+        L2 norm of example ``i``'s gradient for variable ``v``, covering what the example adds
+        through ``weighted_sum`` (zero for masked examples).
       per_example_loss: ``[B]`` loss of each example, sample weight applied, zero where masked.
       mask: ``[B]`` float32, 1.0 for real examples and 0.0 for padding or skipped examples.
       y_pred: the model's output on the batch.
@@ -103,7 +104,7 @@ def prepare_batch(
             raise ValueError(
                 f"labels y have batch size {label_b} but inputs x have batch size {static_b}."
             )
-    mask = tf.ones([b], tf.float32) if mask is None else tf.cast(tf.reshape(mask, [-1]), tf.float32)
+    mask = _check_mask(mask, b)
     sample_weight = (
         tf.ones([b], tf.float32)
         if sample_weight is None
@@ -126,11 +127,124 @@ def prepare_batch(
     else:
         mask = mask * tf.cast(finite, tf.float32)
     # Padded and skipped rows are zeroed so that their (zero-weighted) gradients stay finite.
-    keep = mask > 0
+    return drop_rows(x, y, sample_weight, mask, mask > 0)
+
+
+def drop_rows(
+    x: Any, y: Any, sample_weight: tf.Tensor, mask: tf.Tensor, keep: tf.Tensor
+) -> tuple[Any, Any, tf.Tensor, tf.Tensor]:
+    """The batch with the rows where ``keep`` is False zeroed (inputs, labels, weight) and masked."""
     x = tf.nest.map_structure(lambda t: _zero_rows(t, keep), x)
     y = tf.nest.map_structure(lambda t: _zero_rows(t, keep), y)
     sample_weight = tf.where(keep, sample_weight, tf.zeros_like(sample_weight))
-    return x, y, sample_weight, mask
+    return x, y, sample_weight, mask * tf.cast(keep, mask.dtype)
+
+
+def weighted_loss(loss_fn: Callable, y: Any, y_pred: Any, weights: tf.Tensor) -> tf.Tensor:
+    """``[B]`` per-example losses times ``weights``, exactly 0 (value and gradient) where a weight is 0.
+
+    A zero-weight row (padding, or a row dropped as non-finite) may still have a non-finite loss on
+    its zeroed inputs (``log(0)``); ``0 * inf`` would put NaN into its value and, through the
+    backward pass, into its gradients. The row's predictions are cut from the backward pass and
+    its loss replaced by 0 instead.
+    """
+    keep = weights != 0
+    y_pred = tf.nest.map_structure(
+        lambda t: _select_rows(keep, t, tf.stop_gradient(t)) if t.dtype.is_floating else t, y_pred
+    )
+    loss = tf.cast(loss_fn(y, y_pred), tf.float32)
+    return tf.where(keep, loss * weights, tf.zeros_like(loss))
+
+
+def _select_rows(keep: tf.Tensor, t: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
+    shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(t) - 1], tf.int32)], 0)
+    return tf.where(tf.reshape(keep, shape), t, other)
+
+
+def _check_mask(mask: Any, b: tf.Tensor) -> tf.Tensor:
+    """``[B]`` float32 0/1 mask; any other value fails the step (a mask of 2 would double a row)."""
+    if mask is None:
+        return tf.ones([b], tf.float32)
+    mask = tf.reshape(tf.convert_to_tensor(mask), [-1])
+    if mask.dtype == tf.bool:
+        return tf.cast(mask, tf.float32)
+    mask = tf.cast(mask, tf.float32)
+    check = tf.debugging.Assert(
+        tf.reduce_all((mask == 0.0) | (mask == 1.0)),
+        [
+            "dpcore: mask must hold only 0 (padding) and 1 (a real example); real-valued weights "
+            "belong in sample_weight, whose effect is clipped with the example"
+        ],
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(mask)
+
+
+def drop_nonfinite(
+    summary: GradientSummary,
+    recompute: Callable[[tf.Tensor], GradientSummary],
+    *,
+    nonfinite: str,
+) -> GradientSummary:
+    """Handles examples whose loss or gradient is not finite although their inputs are.
+
+    An example is *bad* when its loss or any of its (certified) squared norms is NaN/Inf. With
+    ``nonfinite="raise"`` a bad real example fails the step before anything that depends on the
+    summary runs; with ``"skip"`` it is dropped: zero norm, zero loss, mask 0. In both modes the
+    clipped sums of a batch with bad rows (padding rows included) are recomputed by ``recompute``
+    on the batch with those rows zeroed and masked, so that no ``0 * Inf`` reaches a sum; batches
+    without bad rows never run it (a ``tf.cond``).
+
+    Args:
+      summary: the engine path's summary of the batch.
+      recompute: ``keep [B] bool -> GradientSummary`` of the batch with ``~keep`` rows zeroed and
+        masked (only its ``weighted_sum`` is used).
+      nonfinite: ``"raise"`` or ``"skip"``.
+
+    Returns:
+      The summary with bad rows dropped (``"skip"``), or checked (``"raise"``).
+
+    Privacy:
+      Whether an example is dropped depends on that example alone, so dropping does not change the
+      sensitivity of the clipped sum; a dropped example contributes exactly zero.
+    """
+    sq = summary.sq_norms
+    loss = summary.per_example_loss
+    ok = tf.math.is_finite(tf.cast(loss, tf.float32)) & tf.reduce_all(tf.math.is_finite(sq), 1)
+    real = summary.mask > 0
+    if nonfinite == "raise":
+        check = tf.debugging.Assert(
+            tf.reduce_all(ok | tf.logical_not(real)),
+            [
+                "dpcore: the loss or the gradient of an example is NaN/Inf although its inputs "
+                "are finite (e.g. log(0) in the loss, or activations that overflow float32); "
+                "the step was not applied. Make the loss finite, or pass nonfinite='skip' to "
+                "drop such examples"
+            ],
+        )
+        with tf.control_dependencies([check]):
+            ok = tf.identity(ok)
+    any_bad = tf.logical_not(tf.reduce_all(ok))
+
+    def weighted_sum(weights: tf.Tensor) -> list[tf.Tensor]:
+        return tf.cond(
+            any_bad,
+            lambda: list(recompute(ok).weighted_sum(weights)),
+            lambda: list(summary.weighted_sum(weights)),
+        )
+
+    keep = ok[:, None]
+    input_gradients = summary.input_gradients
+    if input_gradients is not None:
+        input_gradients = tf.nest.map_structure(lambda t: _zero_rows(t, ok), input_gradients)
+    return dataclasses.replace(
+        summary,
+        sq_norms=tf.where(keep, sq, tf.zeros_like(sq)),
+        per_example_loss=tf.where(ok, loss, tf.zeros_like(loss)),
+        mask=summary.mask * tf.cast(ok, summary.mask.dtype),
+        weighted_sum=weighted_sum,
+        input_gradients=input_gradients,
+    )
 
 
 def check_variables(variables: Sequence[Any]) -> tuple[Any, ...]:

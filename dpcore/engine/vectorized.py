@@ -18,7 +18,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from dpcore.engine.summary import GradientSummary
+from dpcore import norms
+from dpcore.engine.summary import GradientSummary, weighted_loss
 
 _WARNED: weakref.WeakSet = weakref.WeakSet()
 
@@ -39,7 +40,7 @@ def _per_example_fn(
             if wrt_inputs:
                 tape.watch([t for t in tf.nest.flatten(xb) if t.dtype.is_floating])
             y_pred = model(xb, training=training)
-            loss = wi * tf.reshape(tf.cast(loss_fn(yb, y_pred), tf.float32), [])
+            loss = tf.reshape(weighted_loss(loss_fn, yb, y_pred, tf.reshape(wi, [1])), [])
         sources = list(variables)
         floats = [t for t in tf.nest.flatten(xb) if t.dtype.is_floating] if wrt_inputs else []
         grads = tape.gradient(
@@ -86,8 +87,8 @@ def _signature(fn: Callable, elems: Any) -> Any:
 
 
 def _flat_sq_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
-    cols = [tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads]
-    return tf.stack(cols, axis=1)
+    """``[B, V]`` float64 certified squared norms (:func:`dpcore.norms.sq_norm_bound`)."""
+    return tf.stack([norms.sq_norm_bound(g) for g in grads], axis=1)
 
 
 def _weighted(grads: Sequence[tf.Tensor], weights: tf.Tensor) -> list[tf.Tensor]:
@@ -249,7 +250,7 @@ def vectorized_summary(
             input_grads = tf.nest.pack_sequence_as(
                 x, [next(it) if t.dtype.is_floating else None for t in leaves]
             )
-    sq = sq * mask[:, None]
+    sq = sq * tf.cast(mask, tf.float64)[:, None]
     return GradientSummary(
         variables=tuple(variables),
         sq_norms=sq,

@@ -22,6 +22,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from dpcore import norms
 from dpcore.engine.registry import LayerRule, Use, VariableGrad
 from dpcore.rules import linear
 from dpcore.rules.dense import _activate, _cast_input, _unsupported_variant
@@ -180,14 +181,17 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     per_example = None  # [B, *kernel.shape], or a list of [B, C_in, P] (one per offset)
     if groups == 1 and path == "materialized" and cin_g >= _MIN_OFFSET_CHANNELS:
         per_example = _offset_per_example(layer, uses)
+    # Certified norms (dpcore.norms): where the clipped sum is a weighted sum of materialized
+    # per-example kernels, their stored norm; where it is the convolution's own filter gradient,
+    # the ghost bound including that product's rounding.
     if per_example is not None:
-        sq = tf.add_n([linear.rowwise_sq_norm(t) for t in per_example])
+        sq = tf.add_n([norms.sq_norm_bound(t) for t in per_example])
     elif groups == 1 and path == "materialized":
         # Patch rows are ordered (kernel window, C_in), the kernel's own layout: the [B, D, P]
         # per-example grads reshape to [B, *kernel.shape] and also give the clipped sum directly.
         a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         per_example = tf.reshape(linear.materialize(a, g), [-1, *kernel.shape])
-        sq = linear.rowwise_sq_norm(per_example)
+        sq = norms.sq_norm_bound(per_example)
     elif groups == 1:
         a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         sq = linear.sq_norm(a, g, path)
@@ -197,11 +201,18 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         a5 = tf.reshape(a, [b, -1, window, groups, cin_g])
         g4 = tf.reshape(g, [b, -1, groups, cout_g])
         if path == "ghost":
-            aa = tf.einsum("btkgc,bskgc->bgts", a5, a5)
-            gg = tf.einsum("btgo,bsgo->bgts", g4, g4)
-            sq = tf.reduce_sum(aa * gg, axis=[1, 2, 3])
+            # The kernel is block diagonal over groups: one ghost bound per (example, group).
+            t = tf.shape(a5)[1]
+            ag = tf.reshape(tf.transpose(a5, [0, 3, 1, 2, 4]), [b * groups, t, window * cin_g])
+            gg = tf.reshape(tf.transpose(g4, [0, 2, 1, 3]), [b * groups, t, cout_g])
+            sq = tf.reduce_sum(
+                tf.reshape(norms.ghost_sq_norm_bound(ag, gg, contribution=True), [b, groups]), 1
+            )
         else:
-            sq = linear.rowwise_sq_norm(tf.einsum("btkgc,btgo->bgkco", a5, g4))
+            # [B, groups, window, C_in/g, C_out/g] -> the kernel's layout, filters group-major.
+            m = tf.einsum("btkgc,btgo->bkcgo", a5, g4)
+            per_example = tf.reshape(m, [-1, *kernel.shape])
+            sq = norms.sq_norm_bound(per_example)
 
     def kernel_sum(w: tf.Tensor) -> tf.Tensor:
         if isinstance(per_example, list):

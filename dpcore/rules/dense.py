@@ -190,11 +190,13 @@ def _einsum_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             axis=1,
         )
         sq = linear.sq_norm(a, gg, "ghost")
+        out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
     else:
+        # The clipped sum is formed from the materialized gradients themselves, so the certified
+        # norm of what is stored bounds what each example contributes.
         eq = f"{s['x']},{s['out']}->{b}{s['w']}"
         per_example = tf.add_n([tf.einsum(eq, x, g) for x, g in zip(xs, gs)])
-        sq = linear.rowwise_sq_norm(per_example)
-    out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
+        out = [linear.from_per_example(kernel, per_example, path=path)]
     if layer.bias is not None:
         bias_letters = "".join(c for c in s["out"] if c in layer.bias_axes)
         gb = tf.add_n([tf.einsum(f"{s['out']}->{b}{bias_letters}", g) for g in gs])

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from dpcore import norms
 from dpcore.engine.registry import LayerRule, Use, VariableGrad
 from dpcore.rules.dense import _unsupported_variant
 
@@ -38,7 +39,8 @@ def _identity(layer: Any, z: tf.Tensor) -> tf.Tensor:
 
 
 def same_id_sq_norm(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """``[B]`` squared norms of per-example embedding gradients from ids ``[B, T]``, g ``[B, T, E]``.
+    """``[B]`` float64 squared norms of the same-id sums of ids ``[B, T]``, g ``[B, T, E]`` (a
+    certified bound of the sums as computed; see :func:`_grads` for their rounding).
 
     Privacy:
       Row ``i`` depends on example ``i`` only.
@@ -56,7 +58,7 @@ def same_id_sq_norm(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     sums = tf.math.unsorted_segment_sum(
         tf.reshape(g, [-1, g.shape[-1]]), tf.reshape(segments, [-1]), b * t
     )
-    return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), axis=1), [b, t]), axis=1)
+    return norms.sq_norm_bound(tf.reshape(sums, [b, -1]))
 
 
 def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
@@ -68,9 +70,12 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         [tf.reshape(tf.cast(u.grad, tf.float32), [tf.shape(u.grad)[0], -1, dim]) for u in uses], 1
     )
     if ids.shape[1] == 1:
-        sq = tf.reduce_sum(tf.square(g[:, 0]), axis=1)
+        sq = norms.sq_norm_bound(g[:, 0])
     else:
-        sq = same_id_sq_norm(ids, g)
+        # The same-id sums and the clipped sum's scatter add the same terms in different orders:
+        # each differs from the exact sums by at most gamma_T * sum_t ||g_t|| (dpcore.norms).
+        slack = 2.0 * norms.dot_gamma(tf.shape(ids)[1]) * norms.sum_of_norms(g)
+        sq = tf.square(tf.sqrt(same_id_sq_norm(ids, g)) + slack)
     table = layer.embeddings
     vocab = int(table.shape[0])
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from dpcore import norms
 from dpcore.engine.registry import VariableGrad
 
 
@@ -35,20 +36,21 @@ def choose_path(t: int | None, d: int, p: int) -> tuple[str, str]:
 
 
 def sq_norm(a: tf.Tensor, g: tf.Tensor, path: str) -> tf.Tensor:
-    """``||A_i^T G_i||_F^2`` for ``a [B, T, D]``, ``g [B, T, P]`` (float32), shape ``[B]``.
+    """Certified bound of ``||A_i^T G_i||_F^2`` for ``a [B, T, D]``, ``g [B, T, P]``: ``[B]``
+    float64, never below the true value, and covering the rounding of the book-keeping product
+    that forms the clipped sum (see :mod:`dpcore.norms`).
 
     Privacy:
       Row ``i`` depends on example ``i`` only.
     """
-    a = tf.cast(a, tf.float32)
-    g = tf.cast(g, tf.float32)
     if a.shape[1] == 1:
-        return tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
+        return norms.outer_sq_norm_bound(a[:, 0], g[:, 0])
     if path == "ghost":
-        aa = tf.matmul(a, a, transpose_b=True)
-        gg = tf.matmul(g, g, transpose_b=True)
-        return tf.reduce_sum(aa * gg, axis=[1, 2])
-    return rowwise_sq_norm(materialize(a, g))
+        return norms.ghost_sq_norm_bound(a, g, contribution=True)
+    # The materialized product is not what the book-keeping sum multiplies: bound both.
+    mat = tf.sqrt(norms.sq_norm_bound(materialize(a, g), weighted_by_matmul=False))
+    slack = 2.0 * norms.dot_gamma(tf.shape(a)[1]) * norms.triangle_bound(a, g)
+    return tf.square(mat + slack)
 
 
 def materialize(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -89,27 +91,22 @@ def static_positions(shape) -> int | None:
     return t
 
 
-def rowwise_sq_norm(per_example: tf.Tensor) -> tf.Tensor:
-    """``[B, ...] -> [B]`` sum of squares over all but the batch axis."""
-    per_example = tf.cast(per_example, tf.float32)
-    return tf.reduce_sum(tf.reshape(tf.square(per_example), [tf.shape(per_example)[0], -1]), 1)
-
-
 def weighted_rows(per_example: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     """``sum_i w_i per_example[i]``."""
     return tf.tensordot(tf.cast(w, tf.float32), tf.cast(per_example, tf.float32), axes=1)
 
 
 def from_per_example(variable: Any, per_example: tf.Tensor, *, path: str) -> VariableGrad:
-    """A variable's gradient info from its per-example gradients ``[B, *variable.shape]``: norms
-    row by row, the clipped sum as :func:`weighted_rows`, cast to the variable's dtype.
+    """A variable's gradient info from its per-example gradients ``[B, *variable.shape]``:
+    certified norms row by row (:func:`dpcore.norms.sq_norm_bound`), the clipped sum as
+    :func:`weighted_rows` of the same tensor, cast to the variable's dtype.
 
     Privacy:
       Unclipped per-example gradients: the engine clips them through ``weighted_sum``'s weights.
     """
     return VariableGrad(
         variable=variable,
-        sq_norm=rowwise_sq_norm(per_example),
+        sq_norm=norms.sq_norm_bound(per_example),
         weighted_sum=lambda w: tf.cast(weighted_rows(per_example, w), variable.dtype),
         path=path,
     )

@@ -6,6 +6,8 @@ every fast path in dpcore is tested against them.
 """
 
 from dpcore.testing.reference import (
+    NORM_BOUND_SLACK,
+    assert_sq_norm_bound,
     reference_clipped_mean,
     reference_input_gradients,
     reference_per_example_gradients,
@@ -13,6 +15,8 @@ from dpcore.testing.reference import (
 )
 
 __all__ = [
+    "NORM_BOUND_SLACK",
+    "assert_sq_norm_bound",
     "reference_clipped_mean",
     "reference_input_gradients",
     "reference_per_example_gradients",

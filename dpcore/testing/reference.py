@@ -130,3 +130,46 @@ def reference_input_gradients(
         _, xg = _loss_and_grads(model, loss, x, y, i, float(sw[i]), [], training, True)
         rows.append(tf.nest.map_structure(lambda t: np.asarray(t)[0], xg))
     return tf.nest.map_structure(lambda *r: np.stack(r), *rows)
+
+
+# On typical (non-cancelling) data a certified bound exceeds the exact squared norm by a few float32
+# roundoffs times the layer widths (see dpcore.norms); more than this is a loose bound worth a look.
+NORM_BOUND_SLACK = 1e-3
+
+
+def assert_sq_norm_bound(
+    bound: Any,
+    reference: Any,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 0.0,
+    slack: float = NORM_BOUND_SLACK,
+    err_msg: str = "",
+) -> None:
+    """Asserts that ``bound`` is a certified, tight bound of the exact squared norms ``reference``.
+
+    ``bound >= reference * (1 - rtol) - atol`` (never an underestimate, up to the reference's own
+    float32 error), and ``bound <= reference * (1 + slack) + atol`` (not loose on typical data).
+    Use it to test a user rule's ``sq_norm`` against :func:`reference_per_example_gradients`.
+
+    Raises:
+      AssertionError: naming the worst entry.
+    """
+    bound = np.asarray(bound, np.float64)
+    reference = np.asarray(reference, np.float64)
+    low = reference * (1.0 - rtol) - atol
+    high = reference * (1.0 + slack) + atol
+    under = np.argwhere(bound < low)
+    if under.size:
+        i = tuple(under[0])
+        raise AssertionError(
+            f"{err_msg}: bound {bound[i]!r} is below the reference {reference[i]!r} at {i} "
+            f"({len(under)} entries): not an upper bound"
+        )
+    over = np.argwhere(bound > high)
+    if over.size:
+        i = tuple(over[0])
+        raise AssertionError(
+            f"{err_msg}: bound {bound[i]!r} exceeds the reference {reference[i]!r} at {i} by more "
+            f"than the slack {slack} ({len(over)} entries)"
+        )

@@ -1,0 +1,225 @@
+"""Certified upper bounds of per-example gradient norms in floating point.
+
+Contract: a clip factor ``min(1, C / norm)`` keeps an example's contribution within ``C`` only if
+``norm`` is at least the norm of what the example really contributes. Every function here returns,
+per example, a **float64 upper bound of the squared norm** that holds for every finite input, in
+the precision the hardware really computes in:
+
+- sums of squares are taken in float64, where the square of any float32 (or float16/bfloat16)
+  value is exact and can neither overflow nor underflow, and the float64 summation error
+  ``gamma_n`` (``n * 2^-53``) is added;
+- the ghost identity ``||A^T G||_F^2 = sum_{s,t} (a_s . a_t)(g_s . g_t)`` is evaluated on operands
+  rescaled to magnitude 1 per example (so nothing overflows or flushes to zero), and the rounding
+  error of its float32 matmuls is added explicitly:
+  ``gamma_D sum |a_s||a_t| |g_s . g_t| + gamma_P sum |a_s . a_t| |g_s||g_t| + gamma_D gamma_P E``,
+  with ``E = (sum_t |a_t| |g_t|)^2`` (Higham's bound for dot products of length D and P); the bound
+  is capped by the triangle inequality ``sqrt(E)``, which always holds;
+- where the released clipped sum is computed from other tensors than the norm (book-keeping
+  products ``A^T diag(w) G`` instead of the materialized per-example gradient), the rounding of
+  that product over the example's own ``T`` positions, ``gamma_T sqrt(E)``, is added to the norm,
+  so that the example's contribution, and not only its exact gradient, is bounded;
+- matmul roundoff is that of float32, or of TensorFloat-32 (10 explicit mantissa bits:
+  ``2^-11`` per input) when TF32 execution is enabled and a GPU is present, or of bfloat16
+  (``2^-8``) when oneDNN is told to compute float32 matmuls in bfloat16.
+
+Non-finite inputs give non-finite bounds (never a finite underestimate), so callers can detect and
+skip them. Everything is plain TensorFlow and runs inside the caller's compiled step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import tensorflow as tf
+
+F32_ROUNDOFF = 2.0**-24
+F64_ROUNDOFF = 2.0**-53
+TF32_ROUNDOFF = 2.0**-11
+BF16_ROUNDOFF = 2.0**-8
+# Smallest positive normal float32: values rescaled to magnitude <= 1 lose at most this much each
+# when they flush to zero.
+_F32_TINY = 2.0**-126
+
+__all__ = [
+    "F32_ROUNDOFF",
+    "TF32_ROUNDOFF",
+    "dot_gamma",
+    "ghost_sq_norm_bound",
+    "matmul_input_roundoff",
+    "outer_sq_norm_bound",
+    "rows_sq_norm",
+    "sq_norm_bound",
+    "sum_of_norms",
+    "triangle_bound",
+]
+
+
+def matmul_input_roundoff() -> float:
+    """Relative rounding of a float32 matmul's *inputs* on this machine (0 when exact).
+
+    TensorFlow runs float32 matmuls and convolutions in TensorFloat-32 on Ampere and later GPUs
+    unless ``tf.config.experimental.enable_tensor_float_32_execution(False)`` was called; oneDNN
+    may run them in bfloat16 when ``ONEDNN_DEFAULT_FPMATH_MODE`` asks for it. Read at trace time.
+    """
+    mode = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").upper()
+    if mode in ("BF16", "ANY"):
+        return BF16_ROUNDOFF
+    if (
+        tf.config.experimental.tensor_float_32_execution_enabled()
+        and tf.config.list_logical_devices("GPU")
+    ):
+        return TF32_ROUNDOFF
+    return 0.0
+
+
+def dot_gamma(
+    n: Any, *, roundoff: float = F32_ROUNDOFF, input_roundoff: float | None = None
+) -> Any:
+    """Relative error bound of a float32 dot product of length ``n``, as float64.
+
+    ``|fl(x . y) - x . y| <= dot_gamma(n) * sum |x_k y_k|`` for any summation order: Higham's
+    ``gamma_n = n u / (1 - n u)``, widened by the rounding of the inputs (TF32/bfloat16 matmuls).
+    ``n`` may be a Python number or a scalar tensor (dynamic lengths); infinite when ``n u >= 1/2``.
+    """
+    u_in = matmul_input_roundoff() if input_roundoff is None else input_roundoff
+    nu = tf.cast(n, tf.float64) * roundoff
+    gamma = tf.where(nu < 0.5, nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
+    return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
+
+
+def _sum64_inflation(n: Any) -> Any:
+    """``1 + gamma_n`` for a float64 sum of ``n`` non-negative terms (plus a few roundings)."""
+    return 1.0 + (tf.cast(n, tf.float64) + 4.0) * (2.0 * F64_ROUNDOFF)
+
+
+def rows_sq_norm(t: tf.Tensor) -> tf.Tensor:
+    """Exact-ish ``[B]`` float64 sums of squares of each row of ``t`` (not yet inflated)."""
+    t64 = tf.cast(t, tf.float64)
+    return tf.reduce_sum(tf.reshape(tf.square(t64), [tf.shape(t64)[0], -1]), axis=1)
+
+
+def sq_norm_bound(per_example: tf.Tensor, *, weighted_by_matmul: bool = True) -> tf.Tensor:
+    """Upper bound of ``||per_example[i]||^2`` (and of its clip-weighted contribution), ``[B]``.
+
+    Args:
+      per_example: ``[B, ...]`` per-example gradients as stored (any float dtype).
+      weighted_by_matmul: the clipped sum is formed from this very tensor by a weighted matmul
+        (``tensordot``): on hardware that rounds matmul inputs (TF32) the contribution of a row can
+        exceed its stored norm by that rounding, which is added.
+
+    Returns:
+      float64 ``[B]``: non-finite where the row holds NaN/Inf.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
+    """
+    n = tf.cast(tf.size(per_example), tf.float64) / tf.cast(
+        tf.maximum(tf.shape(per_example)[0], 1), tf.float64
+    )
+    sq = rows_sq_norm(per_example) * _sum64_inflation(n)
+    if weighted_by_matmul:
+        sq = sq * (1.0 + 2.0 * matmul_input_roundoff() + 2.0 * F32_ROUNDOFF) ** 2
+    return sq
+
+
+def _position_norms(t: tf.Tensor) -> tf.Tensor:
+    """``[B, T, K] -> [B, T]`` float64 upper bounds of each position's norm."""
+    t64 = tf.cast(t, tf.float64)
+    return tf.sqrt(tf.reduce_sum(tf.square(t64), axis=-1) * _sum64_inflation(tf.shape(t)[-1]))
+
+
+def sum_of_norms(t: tf.Tensor) -> tf.Tensor:
+    """``[B, T, K] -> [B]`` float64 upper bound of ``sum_t ||t[i, t]||``."""
+    return tf.reduce_sum(_position_norms(t), axis=1) * _sum64_inflation(tf.shape(t)[1])
+
+
+def triangle_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``[B]`` float64 upper bound of ``sum_t ||a_t|| ||g_t||`` for ``a [B,T,D]``, ``g [B,T,P]``:
+    the triangle-inequality bound of ``||A^T G||_F`` and the scale of its rounding errors."""
+    prods = _position_norms(a) * _position_norms(g)
+    return tf.reduce_sum(prods, axis=1) * _sum64_inflation(tf.shape(a)[1])
+
+
+def outer_sq_norm_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """Bound for one position: ``||a_i g_i^T||^2 = ||a_i||^2 ||g_i||^2`` for ``a [B, D]``, ``g [B, P]``.
+
+    Includes the rounding of the book-keeping product ``a_i (w_i g_i)^T`` that forms the clipped
+    sum (one product per entry, inputs possibly rounded to TF32).
+
+    Returns:
+      float64 ``[B]``.
+    """
+    sq = rows_sq_norm(a) * rows_sq_norm(g)
+    sq = sq * _sum64_inflation(a.shape[-1] or 1) * _sum64_inflation(g.shape[-1] or 1)
+    return sq * (1.0 + dot_gamma(2)) ** 2
+
+
+def _positions(t: tf.Tensor) -> Any:
+    return t.shape[1] if t.shape[1] is not None else tf.shape(t)[1]
+
+
+def ghost_sq_norm_bound(a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True) -> tf.Tensor:
+    """Certified bound of ``||A_i^T G_i||_F^2`` by the ghost identity, ``a [B,T,D]``, ``g [B,T,P]``.
+
+    Args:
+      a: layer inputs per position.
+      g: output gradients per position.
+      contribution: also bound the rounding of a book-keeping product over the example's ``T``
+        positions (``A^T diag(w) G``, or a convolution's filter gradient), which is how the clipped
+        sum is formed when the per-example gradient is never materialized.
+
+    Returns:
+      float64 ``[B]``; non-finite when a row of ``a`` or ``g`` is.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
+    """
+    a = tf.cast(a, tf.float32)
+    g = tf.cast(g, tf.float32)
+    d, p = a.shape[-1], g.shape[-1]
+    t = _positions(a)
+    # Per-example scale to magnitude 1: nothing below overflows or flushes to zero. NaN rows stay
+    # NaN (reduce_max propagates NaN), infinite rows become NaN after scaling.
+    ma = tf.reduce_max(tf.abs(a), axis=[1, 2])
+    mg = tf.reduce_max(tf.abs(g), axis=[1, 2])
+    sa = tf.where(ma > 0, ma, tf.ones_like(ma))
+    sg = tf.where(mg > 0, mg, tf.ones_like(mg))
+    ap = a / sa[:, None, None]
+    gp = g / sg[:, None, None]
+    aa = tf.cast(tf.matmul(ap, ap, transpose_b=True), tf.float64)  # [B, T, T]
+    gg = tf.cast(tf.matmul(gp, gp, transpose_b=True), tf.float64)
+    ga, gp_ = dot_gamma(d), dot_gamma(p)
+    # Upper bounds of the scaled rows' norms, from the (non-negative) diagonal sums.
+    na = tf.sqrt(tf.maximum(tf.linalg.diag_part(aa), 0.0) * (1.0 + ga))
+    ng = tf.sqrt(tf.maximum(tf.linalg.diag_part(gg), 0.0) * (1.0 + gp_))
+    nn_a = na[:, :, None] * na[:, None, :]
+    nn_g = ng[:, :, None] * ng[:, None, :]
+    prod = aa * gg
+    s = tf.reduce_sum(prod, axis=[1, 2])
+    root_e = tf.reduce_sum(na * ng, axis=1)  # >= sum_t |a_t||g_t| (scaled): triangle bound
+    err = (
+        ga * tf.reduce_sum(nn_a * tf.abs(gg), axis=[1, 2])
+        + gp_ * tf.reduce_sum(tf.abs(aa) * nn_g, axis=[1, 2])
+        + ga * gp_ * tf.square(root_e)
+    )
+    # The float64 [B, T, T] products and sums add at most gamma_{T^2 + 3} (float64) of sum |.|.
+    t2 = tf.cast(t, tf.float64) ** 2
+    err = err + (t2 + 3.0) * 2.0 * F64_ROUNDOFF * tf.reduce_sum(tf.abs(prod), axis=[1, 2])
+    root = tf.sqrt(tf.maximum(s + err * _sum64_inflation(t2), 0.0)) * _sum64_inflation(4.0)
+    root = tf.minimum(root, root_e * (1.0 + 4.0 * F64_ROUNDOFF))
+    # Rescaling rounds each scaled entry by <= u relative, or <= 2^-126 when it flushes to zero.
+    tt = tf.cast(t, tf.float64)
+    lam = 2.0 * (F32_ROUNDOFF + F32_ROUNDOFF**2) * root_e + tt * (
+        (float(d) ** 0.5 + float(p) ** 0.5 + 1.0) * 4.0 * _F32_TINY
+    )
+    if contribution:
+        lam = lam + dot_gamma(tt) * root_e * (1.0 + 2.0 * F32_ROUNDOFF)
+    scale = tf.cast(sa, tf.float64) * tf.cast(sg, tf.float64)
+    bound = (root + lam) * scale
+    # A NaN anywhere in a row must surface (tf.minimum above could otherwise drop it).
+    bad = tf.logical_not(
+        tf.math.is_finite(tf.cast(ma, tf.float64)) & tf.math.is_finite(tf.cast(mg, tf.float64))
+    )
+    bound = tf.where(bad, tf.constant(float("nan"), tf.float64), bound)
+    return tf.square(bound) * _sum64_inflation(2.0)

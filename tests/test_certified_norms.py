@@ -1,0 +1,258 @@
+"""Clip factors come from certified norm bounds: adversarial records cannot escape clipping.
+
+Each case crafts one record whose float32 norm computation used to fail (cancelling positions,
+squares that underflow or overflow, non-finite losses, masks that are not 0/1) and checks the
+privacy claim itself: with σ = 0, removing the record moves the clipped sum by at most
+``C * (1 + TOLERANCE)``, on every engine path, and every norm bound is at least the exact norm.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dpcore
+from dpcore import aggregation, norms
+from dpcore.testing import reference_per_example_gradients
+
+# Stated once for the whole suite: the batch-level float32 sums add rounding of the other records'
+# terms on top of the per-record tolerance (dpcore.aggregation.CONTRIBUTION_TOLERANCE).
+TOLERANCE = 1e-3
+C = 1.0
+MSE = keras.losses.MeanSquaredError(reduction=None)
+PATHS = ("fast", "vectorized")
+
+
+def _clipped_sum(model, loss, x, y, mask, method, nonfinite="raise"):
+    @tf.function
+    def run(x, y, mask):
+        s = dpcore.summarize(
+            model, loss, x, y, mask=mask, method=method, training=False, nonfinite=nonfinite
+        )
+        clipped = aggregation.clip(s, l2_norm_clip=C)
+        return clipped.grads, s.sq_norms, s.mask
+
+    grads, sq, kept = run(x, y, mask)
+    return np.concatenate([g.numpy().ravel() for g in grads]), sq.numpy(), kept.numpy()
+
+
+def _check_record(model, x, y, *, loss=MSE, index=0, methods=PATHS):
+    """Removing record ``index`` moves the clipped sum by <= C(1+TOLERANCE); bounds >= exact."""
+    b = x.shape[0]
+    with_it = np.ones(b, "float32")
+    without = with_it.copy()
+    without[index] = 0.0
+    ref = reference_per_example_gradients(model, loss, x, y)
+    ref_sq = np.stack([np.sum(np.asarray(g, np.float64).reshape(b, -1) ** 2, 1) for g in ref], 1)
+    moved = {}
+    for method in methods:
+        full, sq, _ = _clipped_sum(model, loss, x, y, with_it, method)
+        less, _, _ = _clipped_sum(model, loss, x, y, without, method)
+        assert np.all(np.isfinite(full)), method
+        moved[method] = float(np.linalg.norm(full.astype(np.float64) - less))
+        assert moved[method] <= C * (1 + TOLERANCE), (method, moved[method])
+        # The record's bound is never below its exact norm (the reference is float32 too).
+        assert np.sqrt(sq[index].sum()) >= np.sqrt(ref_sq[index].sum()) * (1 - 1e-5), method
+    return moved
+
+
+def _cancelling_dense(d=64):
+    inputs = keras.Input((2, d))
+    h = keras.layers.Dense(64, use_bias=False, name="seq_dense")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(inputs, keras.layers.Dense(1, use_bias=False)(h))
+
+
+def _cancelling_batch(rng, b):
+    """Record 0's two positions nearly cancel (``a`` and ``-a + 1e-3``, ``|a| ~ 1e3``); big label."""
+    a = rng.normal(size=64).astype("float32") * 1e3
+    x = rng.normal(size=(b, 2, 64)).astype("float32")
+    x[0, 0], x[0, 1] = a, -a + 1e-3
+    y = rng.normal(size=(b, 1)).astype("float32")
+    y[0] = 1e6
+    return x, y
+
+
+def test_cancelling_positions_are_clipped(rng):
+    model = _cancelling_dense()
+    assert dpcore.explain(model).paths()["seq_dense"] == "ghost"
+    x, y = _cancelling_batch(rng, 4)
+    _check_record(model, x, y)
+
+
+def test_cancelling_record_through_dp_train_step(rng):
+    """The custom-loop entry: with σ = 0 one crafted record moves the update by at most C."""
+    model = _cancelling_dense()
+    x, y = _cancelling_batch(rng, 4)
+    start = [v.numpy() for v in model.trainable_variables]
+
+    def update(mask):
+        for v, s in zip(model.trainable_variables, start):
+            v.assign(s)
+        opt = dpcore.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=1
+        )
+        tf.function(lambda: dpcore.dp_train_step(model, MSE, x, y, optimizer=opt, mask=mask))()
+        return np.concatenate(
+            [(v.numpy() - s).ravel() for v, s in zip(model.trainable_variables, start)]
+        )
+
+    moved = np.linalg.norm(
+        update(np.ones(4, "float32")) - update(np.array([0, 1, 1, 1], "float32"))
+    )
+    assert moved <= C * (1 + TOLERANCE), moved
+
+
+def test_underflowing_features_are_clipped():
+    """||a||^2 of features ~1e-19 underflows in float32; the bound is taken in float64."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False)])
+    model.layers[0].kernel.assign(np.zeros((4, 1), "float32"))
+    x = np.full((3, 4), 1e-19, "float32")
+    x[1:] = 0.5
+    y = np.array([[-1e19], [1.0], [2.0]], "float32")  # record 0: gradient 2 per feature, norm 4
+    moved = _check_record(model, x, y)
+    assert min(moved.values()) > 0.5 * C  # the record is clipped to C, not dropped
+
+
+def test_overflowing_activations_are_clipped(rng):
+    """Squares of activations ~1e20 overflow float32 (inf * 0 was NaN); the step still clips."""
+    model = keras.Sequential(
+        [
+            keras.Input((3, 8)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    x = rng.normal(size=(3, 3, 8)).astype("float32")
+    x[0] *= 1e20
+    x[0, 0, 0] = 1e-3  # one unsaturated unit keeps a non-zero gradient at the first layer
+    y = np.array([[1e15], [0.0], [1.0]], "float32")
+    _check_record(model, x, y)
+
+
+def test_conv_cancelling_offsets_are_clipped(rng):
+    inputs = keras.Input((4, 8))
+    h = keras.layers.Conv1D(32, 2, name="conv")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    x = rng.normal(size=(3, 4, 8)).astype("float32")
+    a = rng.normal(size=8).astype("float32") * 1e4
+    x[0] = np.stack([a, -a, a, -a + 1e-2])
+    y = np.array([[1e5], [0.0], [1.0]], "float32")
+    _check_record(model, x, y)
+
+
+def test_embedding_repeated_ids_are_clipped(rng):
+    model = keras.Sequential(
+        [
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(5, 8),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    x = rng.integers(0, 5, (3, 6)).astype("int32")
+    x[0] = 2  # one id repeated at every position: the gradients of equal ids add up
+    y = np.array([[1e7], [0.0], [1.0]], "float32")
+    _check_record(model, x, y)
+
+
+def test_layer_norm_extreme_label_is_clipped(rng):
+    model = keras.Sequential(
+        [
+            keras.Input((5, 4)),
+            keras.layers.LayerNormalization(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    x = rng.normal(size=(3, 5, 4)).astype("float32") * 1e6
+    y = np.array([[1e18], [0.0], [1.0]], "float32")
+    _check_record(model, x, y)
+
+
+def test_per_group_clipping_respects_each_bound(rng):
+    model = _cancelling_dense()
+    x, y = _cancelling_batch(rng, 3)
+    bounds = [0.5, 2.0]
+
+    @tf.function
+    def run(mask):
+        s = dpcore.summarize(model, MSE, x, y, mask=mask, method="fast")
+        return aggregation.clip(s, l2_norm_clip=bounds, variable_groups=[0, 1]).grads
+
+    def clipped(mask):
+        return [g.numpy() for g in run(mask)]
+
+    full, less = clipped(np.ones(3, "float32")), clipped(np.array([0, 1, 1], "float32"))
+    for g_full, g_less, bound in zip(full, less, bounds):
+        assert np.linalg.norm(g_full - g_less) <= bound * (1 + TOLERANCE)
+
+
+def test_ghost_bound_covers_exact_norm_in_float64(rng):
+    """The bound is checked against float64 ground truth on cancelling and random operands."""
+    a = rng.normal(size=(3, 5, 16)) * np.array([1e-20, 1.0, 1e20])[:, None, None]
+    g = rng.normal(size=(3, 5, 8))
+    a[1, 1] = -a[1, 0] + 1e-6
+    g[1, 1] = g[1, 0]
+    a32, g32 = a.astype("float32"), g.astype("float32")
+    exact = np.sum(
+        np.einsum("btd,btp->bdp", a32.astype(np.float64), g32.astype(np.float64)) ** 2, (1, 2)
+    )
+    bound = norms.ghost_sq_norm_bound(tf.constant(a32), tf.constant(g32)).numpy()
+    assert np.all(bound >= exact)
+    assert np.all(np.isfinite(bound))
+    # Tight on the random (non-cancelling) rows.
+    np.testing.assert_array_less(bound[[0, 2]], exact[[0, 2]] * (1 + 1e-3))
+
+
+def test_mask_values_other_than_zero_one_are_refused(rng):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    x = rng.normal(size=(2, 3)).astype("float32")
+    y = rng.normal(size=(2, 1)).astype("float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sample_weight"):
+        _clipped_sum(model, MSE, x, y, np.array([2.0, 1.0], "float32"), "fast")
+    # Booleans and 0/1 floats are fine.
+    _clipped_sum(model, MSE, x, y, np.array([0.0, 1.0], "float32"), "fast")
+
+
+def _log_model():
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, activation="relu")])
+
+
+def _log_loss(y_true, y_pred):  # log(0) for a prediction of exactly 0
+    return -tf.reduce_sum(tf.math.log(y_pred), axis=-1)
+
+
+@pytest.mark.parametrize("method", PATHS)
+def test_nonfinite_loss_with_finite_inputs_is_skipped(method):
+    model = _log_model()
+    model.layers[0].kernel.assign([[1.0], [1.0]])
+    model.layers[0].bias.assign([0.0])
+    x = np.array([[0.0, 0.0], [1.0, 2.0], [0.5, 0.5]], "float32")  # row 0: relu(0) -> log(0)
+    y = np.zeros((3, 1), "float32")
+    grads, sq, kept = _clipped_sum(model, _log_loss, x, y, np.ones(3, "float32"), method, "skip")
+    assert kept.tolist() == [0.0, 1.0, 1.0]
+    assert np.all(np.isfinite(grads)) and np.all(sq[0] == 0)
+    rest, _, _ = _clipped_sum(
+        model, _log_loss, x, y, np.array([0, 1, 1], "float32"), method, "skip"
+    )
+    np.testing.assert_allclose(grads, rest, rtol=1e-6)  # exactly zero contribution
+
+
+def test_nonfinite_loss_raises_before_any_update():
+    model = _log_model()
+    model.layers[0].kernel.assign([[1.0], [1.0]])
+    x = np.array([[0.0, 0.0], [1.0, 2.0]], "float32")
+    y = np.zeros((2, 1), "float32")
+    opt = dpcore.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=C, noise_multiplier=1.0, expected_batch_size=2
+    )
+    before = [v.numpy() for v in model.trainable_variables]
+    step = tf.function(lambda: dpcore.dp_train_step(model, _log_loss, x, y, optimizer=opt))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="although its inputs are finite"):
+        step()
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert int(opt.dp_steps.numpy()) == 0
