@@ -256,3 +256,30 @@ def test_nonfinite_loss_raises_before_any_update():
     for v, b in zip(model.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
     assert int(opt.dp_steps.numpy()) == 0
+
+
+def _round_to_tf32(x):
+    """float32 values rounded to TensorFloat-32's 10 explicit mantissa bits (nearest)."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x1000) & 0xFFFFE000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_dot_gamma_covers_tf32_matmuls(rng):
+    """The error model of the ghost bound under TF32: inputs rounded to 2^-11, float32 sums.
+
+    TensorFlow runs float32 matmuls in TF32 on recent GPUs; the bound then uses
+    ``dot_gamma(n, input_roundoff=TF32_ROUNDOFF)``. Emulated here on the CPU, on cancelling rows.
+    """
+    n = 256
+    x = rng.normal(size=(200, n)).astype("float32") * 1e3
+    y = (-x + rng.normal(size=(200, n)).astype("float32")).astype("float32")
+    exact = np.sum(x.astype(np.float64) * y.astype(np.float64), axis=1)
+    tf32 = np.sum(
+        _round_to_tf32(x).astype(np.float32) * _round_to_tf32(y).astype(np.float32), axis=1
+    ).astype(np.float64)
+    scale = np.sum(np.abs(x.astype(np.float64) * y), axis=1)
+    gamma = float(norms.dot_gamma(n, input_roundoff=norms.TF32_ROUNDOFF))
+    assert np.all(np.abs(tf32 - exact) <= gamma * scale)
+    # The float32 model alone would not cover TF32's rounding.
+    assert np.any(np.abs(tf32 - exact) > float(norms.dot_gamma(n, input_roundoff=0.0)) * scale)
