@@ -125,8 +125,9 @@ class DPModel(keras.Model):
     Args:
       model: the Keras model to train (built, with trainable variables).
       method: engine path, ``"auto"``, ``"fast"`` or ``"vectorized"``.
-      nonfinite: ``"raise"`` (default) fails the step on NaN/Inf in inputs or labels; ``"skip"``
-        drops such examples from the step.
+      nonfinite: ``"raise"`` (default) fails the step on NaN/Inf in inputs, labels or sample
+        weights, or on a NaN/Inf loss or gradient of an example with finite inputs; ``"skip"``
+        drops such examples from the step and counts them in the logs (``skipped``).
       chunk_size: vectorized path only: examples per chunk, bounding peak memory.
       name: the wrapper's name (default ``"dp_<model name>"``).
 
@@ -159,6 +160,8 @@ class DPModel(keras.Model):
         self.nonfinite = nonfinite
         self.chunk_size = chunk_size
         self.loss_tracker = keras.metrics.Mean(name="loss")
+        # With nonfinite="skip", how many real examples the steps dropped (in the logs).
+        self.skipped_tracker = keras.metrics.Sum(name="skipped") if nonfinite == "skip" else None
         # How the last fit was fed ("arrays", "dataset" or "masked_batches"): the privacy
         # callbacks check it against the sampling their config accounts for.
         self.data_feed: str | None = None
@@ -360,13 +363,16 @@ class DPModel(keras.Model):
 
     @property
     def metrics(self) -> list[Any]:
-        own = self.loss_tracker
+        own = [self.loss_tracker]
+        if self.skipped_tracker is not None:
+            own.append(self.skipped_tracker)
         rest = [
             m
             for m in super().metrics
-            if m is not own and not (m.name == "loss" and isinstance(m, keras.metrics.Mean))
+            if all(m is not o for o in own)
+            and not (m.name == "loss" and isinstance(m, keras.metrics.Mean))
         ]
-        return [own, *rest]
+        return [*own, *rest]
 
     def _build_compiled_state(self, dataset: Any) -> None:
         """Builds the compiled metrics and loss from a zero row of the sampler's element spec.
@@ -424,6 +430,8 @@ class DPModel(keras.Model):
             nonfinite=self.nonfinite,
         )
         self.loss_tracker.update_state(result.loss, sample_weight=result.num_examples)
+        if self.skipped_tracker is not None:
+            self.skipped_tracker.update_state(result.num_skipped)
         return self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
 
     def test_step(self, data: Any) -> dict[str, Any]:

@@ -543,6 +543,8 @@ class DPStepResult:
       num_examples: realized number of real examples.
       per_example_norms: ``[B]`` unclipped gradient norms (zero where masked).
       input_gradients: per-example gradients w.r.t. the inputs, or None.
+      num_skipped: real examples dropped by ``nonfinite="skip"`` (non-finite inputs, labels,
+        weights, loss or gradient); always 0 with ``"raise"``.
     """
 
     loss: tf.Tensor
@@ -552,6 +554,7 @@ class DPStepResult:
     num_examples: tf.Tensor
     per_example_norms: tf.Tensor
     input_gradients: Any = None
+    num_skipped: Any = 0.0
 
 
 def dp_step(
@@ -614,6 +617,7 @@ def dp_step(
         num_examples=num,
         per_example_norms=clipped.per_example_norms,
         input_gradients=summary.input_gradients,
+        num_skipped=summary.num_skipped,
     )
 
 

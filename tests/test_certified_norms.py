@@ -283,3 +283,25 @@ def test_dot_gamma_covers_tf32_matmuls(rng):
     assert np.all(np.abs(tf32 - exact) <= gamma * scale)
     # The float32 model alone would not cover TF32's rounding.
     assert np.any(np.abs(tf32 - exact) > float(norms.dot_gamma(n, input_roundoff=0.0)) * scale)
+
+
+def test_dp_model_logs_skipped_examples():
+    # No bias: the zero input predicts relu(0) = 0, so its loss is log(0) in every epoch.
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1, use_bias=False, activation="relu")]
+    )
+    model.layers[0].kernel.assign([[1.0], [1.0]])
+    dp_model = dpcore.make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=_log_loss,
+        l2_norm_clip=C,
+        noise_multiplier=0.0,
+        expected_batch_size=4,
+        nonfinite="skip",
+    )
+    x = np.array([[0.0, 0.0], [1.0, 2.0], [0.5, 0.5], [2.0, 1.0]], "float32")  # row 0: log(0)
+    y = np.zeros((4, 1), "float32")
+    history = dp_model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [1.0, 1.0]
+    assert all(np.isfinite(history.history["loss"]))

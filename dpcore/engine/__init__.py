@@ -19,6 +19,7 @@ options and reuse the compiled function on later calls (no retrace per step).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import tensorflow as tf
 from dpcore import validation
 from dpcore.engine.summary import (
     GradientSummary,
+    batch_size_of,
     check_variables,
     drop_nonfinite,
     drop_rows,
@@ -105,6 +107,11 @@ def summarize(
         raise ValueError(f"method={method!r}; expected one of {METHODS}.")
     variables = check_variables(model.trainable_variables if variables is None else variables)
     loss_fn = per_example_loss_fn(loss)
+    requested = tf.reduce_sum(
+        tf.ones([batch_size_of(x)], tf.float32)
+        if mask is None
+        else tf.cast(tf.reshape(mask, [-1]) != 0, tf.float32)
+    )
     x, y, sample_weight, mask = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
     validation.check_model(model, x, training=training, require_variables=False)
     use_fast = method == "fast" or (
@@ -143,7 +150,8 @@ def summarize(
         # The batch without its non-finite rows, exactly as prepare_batch drops a padding row.
         return run(*drop_rows(x, y, sample_weight, mask, keep))
 
-    return drop_nonfinite(run(x, y, sample_weight, mask), recompute, nonfinite=nonfinite)
+    summary = drop_nonfinite(run(x, y, sample_weight, mask), recompute, nonfinite=nonfinite)
+    return dataclasses.replace(summary, num_skipped=requested - tf.reduce_sum(summary.mask))
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -34,6 +34,9 @@ class GradientSummary:
       input_gradients: per-example gradients of each example's loss w.r.t. the inputs (same
         structure as ``x``), or None when not requested.
       paths: for reporting, a mapping from layer (or variable) name to the path that computed it.
+      num_skipped: float32 count of real (unmasked) examples dropped by ``nonfinite="skip"``
+        (non-finite inputs, labels, weights, loss or gradient); set by
+        :func:`dpcore.engine.summarize`.
     """
 
     variables: tuple[Any, ...]
@@ -44,6 +47,7 @@ class GradientSummary:
     weighted_sum: Callable[[tf.Tensor], list[tf.Tensor]]
     input_gradients: Any = None
     paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    num_skipped: Any = None
 
 
 def batch_size_of(x: Any) -> tf.Tensor:
