@@ -298,12 +298,14 @@ def test_a_step_left_open_by_a_checkpoint_is_dropped_not_merged(tmp_path):
     dp = _dp(expected_batch_size=10)
     model, opt = dp.model, dp.optimizer
     opt.build(model.trainable_variables)
+    saver = tf.train.Checkpoint(model=model, optimizer=opt)
+    at_boundary = saver.write(str(tmp_path / "boundary"))
     xb, yb = tf.constant(x[:4]), tf.constant(y[:4])
     dp_train_step(model, LOSS, xb, yb, optimizer=opt, mask=tf.ones([4]), step_end=False)
     assert int(opt.micro_steps) == 1 and int(opt.dp_steps) == 0
-    path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "open"))
+    mid_step = saver.write(str(tmp_path / "open"))  # same weights, one chunk accumulated
 
-    def restored():
+    def restored(path):
         fresh = _dp(expected_batch_size=10)
         fresh.optimizer.build(fresh.trainable_variables)
         tf.train.Checkpoint(model=fresh.model, optimizer=fresh.optimizer).read(
@@ -311,11 +313,10 @@ def test_a_step_left_open_by_a_checkpoint_is_dropped_not_merged(tmp_path):
         ).expect_partial()
         return fresh
 
-    clean = restored()
-    clean.optimizer.discard_open_step()
+    clean = restored(at_boundary)
     ds = lambda: sampling.poisson_batches(x, y, sampling_prob=0.25, steps=3, seed=4)  # noqa: E731
     clean.fit(ds(), verbose=0)
-    resumed = restored()
+    resumed = restored(mid_step)
     assert int(resumed.optimizer.micro_steps) == 1
     with pytest.warns(UserWarning, match="1 micro-batch"):
         resumed.fit(ds(), verbose=0)
