@@ -213,6 +213,10 @@ class DPModel(keras.Model):
         self.data_feed = "masked_batches" if masked else "dataset"
         if masked:
             self._start_pass_at_step_boundary()
+            if int(x.cardinality()) >= 0:
+                # Its length counts chunks; Keras counts logical steps here (see
+                # make_train_function), so let the end of the data end the epoch.
+                x = x.filter(lambda *element: True)
         if len(args) < 7:  # `shuffle` not given positionally
             kwargs.setdefault("shuffle", False)
         replicas = self.distribute_strategy.num_replicas_in_sync
