@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpcore import sampling
+from dpcore import dp_train_step, sampling
 from dpcore.callbacks import EpsilonCallback, PrivacyBudgetGuard
 from dpcore.config import DPConfig
 from dpcore.model import make_private
-from dpcore.optimizer import dp_train_step
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 N = 40
