@@ -27,9 +27,9 @@ data:
 	fi
 
 test: $(STAMP) data
-	$(VENV)/bin/python -m ruff check dpcore experiments tests
+	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/python -m ruff check dpcore experiments tests
-	$(VENV)/bin/python -m ruff format --check dpcore experiments tests
+	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
+	$(VENV)/bin/python -m ruff format --check dpcore dpcore_accounting experiments tests

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import dp_accounting
 
-from dpcore.accounting import events as ev
-from dpcore.accounting.ledger import PrivacyLedger
+from dpcore_accounting import events as ev
+from dpcore_accounting.ledger import PrivacyLedger
 
 __all__ = ["calibrate_noise_multiplier", "calibrate_steps", "run_event"]
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import dp_accounting
 
-from dpcore.accounting import calibration
-from dpcore.accounting import events as ev
-from dpcore.accounting.ledger import PrivacyLedger, warn_if_delta_too_large
+from dpcore_accounting import calibration
+from dpcore_accounting import events as ev
+from dpcore_accounting.ledger import PrivacyLedger, warn_if_delta_too_large
 
 __all__ = ["DPConfig"]
 

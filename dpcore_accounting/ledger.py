@@ -28,7 +28,7 @@ from typing import Any
 
 import dp_accounting
 
-from dpcore.accounting import events as ev
+from dpcore_accounting import events as ev
 
 __all__ = ["PrivacyLedger", "warn_if_delta_too_large"]
 

@@ -1,47 +1,18 @@
-"""Privacy accounting for DP-SGD on dp-accounting.
+"""Privacy accounting for DP-SGD: `dpcore_accounting` under its `dpcore` name.
 
-Contract: every ε or δ dpcore reports comes from a `dp_accounting` accountant (PLD by default,
-RDP on request) applied to the DpEvent of what ran: `poisson_event` for Poisson sampling,
-`shuffle_event` (the sound no-amplification bound) for shuffled fixed-size batches.
-`PrivacyLedger` records those events as training runs and round-trips through JSON;
-`calibrate_noise_multiplier` / `calibrate_steps` never return a value that exceeds the target.
+Contract: the implementation lives in the top-level package `dpcore_accounting`, which never
+imports TensorFlow, so the `dpcore-epsilon` CLI starts fast; importing anything under `dpcore`
+runs `dpcore/__init__.py`, which imports TensorFlow (it registers the Keras serializables that
+`keras.saving.load_model` needs). Everything here is the same object as there:
+`dpcore.accounting.events is dpcore_accounting.events`. See `dpcore_accounting` for the
+accounting contract.
 """
 
-from dpcore.accounting.calibration import (
-    calibrate_noise_multiplier,
-    calibrate_steps,
-    run_event,
-)
-from dpcore.accounting.events import (
-    ACCOUNTANTS,
-    NEIGHBORING_RELATIONS,
-    SAMPLING_MODES,
-    compute_delta,
-    compute_epsilon,
-    make_accountant,
-    neighboring_relation,
-    poisson_event,
-    shuffle_epochs,
-    shuffle_event,
-    shuffle_steps_per_epoch,
-)
-from dpcore.accounting.ledger import PrivacyLedger, warn_if_delta_too_large
+import dpcore_accounting
+from dpcore_accounting import *  # noqa: F403  (exactly the names in its __all__)
+from dpcore_accounting import calibration as calibration
+from dpcore_accounting import events as events
+from dpcore_accounting import ledger as ledger
 
-__all__ = [
-    "ACCOUNTANTS",
-    "NEIGHBORING_RELATIONS",
-    "SAMPLING_MODES",
-    "PrivacyLedger",
-    "calibrate_noise_multiplier",
-    "calibrate_steps",
-    "compute_delta",
-    "compute_epsilon",
-    "make_accountant",
-    "neighboring_relation",
-    "poisson_event",
-    "run_event",
-    "shuffle_epochs",
-    "shuffle_event",
-    "shuffle_steps_per_epoch",
-    "warn_if_delta_too_large",
-]
+__all__: list[str] = []
+__all__ += dpcore_accounting.__all__
