@@ -1,10 +1,13 @@
 """dpcore-epsilon: ε of a DP-SGD run, or the noise multiplier for a target ε.
 
-Contract: builds one `dpcore.config.DPConfig` from the flags and prints (and optionally writes
-as JSON) what dp-accounting says about its DpEvent. Give `--noise_multiplier` to get ε, or
-`--target_epsilon` to get the calibrated noise multiplier (and its ε). Shuffled batches get
-the sound no-amplification bound; `--poisson_assumption` adds the Poisson figure, labelled as
-an assumption. Bad flag values exit with a message naming the flag.
+Contract: builds one `DPConfig` (`dpcore.DPConfig`, imported from the TensorFlow-free package
+`dpcore_accounting`) from the flags and prints (and optionally writes as JSON) what
+dp-accounting says about its DpEvent. Neither the program nor `compute` imports TensorFlow (or
+`dpcore`), so a query answers in about a second instead of after TensorFlow's multi-second
+import. Give `--noise_multiplier` to get ε, or `--target_epsilon` to get the calibrated noise
+multiplier (and its ε). Shuffled batches get the sound no-amplification bound;
+`--poisson_assumption` adds the Poisson figure, labelled as an assumption. Bad flag values exit
+with a message naming the flag.
 
 Examples:
   dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --noise_multiplier=1.1
@@ -65,7 +68,7 @@ def compute(
     poisson_assumption: bool = False,
 ) -> dict[str, Any]:
     """The result dict the CLI prints/writes (also usable from Python)."""
-    from dpcore.config import DPConfig
+    from dpcore_accounting import DPConfig
 
     if (epochs is None) == (steps is None):
         raise ValueError(f"give exactly one of --epochs or --steps, got {epochs!r} and {steps!r}.")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from dpcore_experiments import epsilon as cli
 
 from dpcore import accounting as acc
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 CLASSIC = dict(num_examples=60000, batch_size=256, epochs=60, steps=None, delta=1e-5)
 
 
@@ -120,3 +122,37 @@ def test_console_script_writes_json(tmp_path):
     assert data["epsilon"] == pytest.approx(2.597, abs=1e-3)
     assert data["accountant"] == "rdp" and data["sampling"] == "poisson"
     assert data["steps"] == 14063 and data["delta"] == 1e-5
+
+
+def _imported_top_level(importtime_stderr: str) -> set[str]:
+    """Top-level packages named by `python -X importtime` (one line per module imported)."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("entry", ["console_script", "python_m_experiments"])
+def test_cli_answers_without_importing_tensorflow(entry):
+    """Both entry points compute ε with dpcore_accounting alone: no TensorFlow, no dpcore."""
+    args = ["--num_examples=60000", "--batch_size=256", "--epochs=60", "--noise_multiplier=1.1"]
+    if entry == "console_script":
+        exe = shutil.which("dpcore-epsilon", path=os.path.dirname(sys.executable))
+        if exe is None:
+            pytest.skip("dpcore-epsilon is not installed next to this interpreter")
+        program = [exe]
+    else:
+        program = ["-m", "experiments.epsilon"]  # from the repository root
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *program, *args, "--accountant=rdp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "epsilon = 2.5967 at delta = 1e-05 (RDP, add_remove adjacency)" in done.stdout
+    imported = _imported_top_level(done.stderr)
+    assert {"dp_accounting", "dpcore_accounting"} <= imported  # the parse saw the imports
+    assert not imported & {"tensorflow", "keras", "dpcore"}, sorted(imported)

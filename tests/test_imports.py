@@ -1,0 +1,92 @@
+"""Import boundaries: TensorFlow-free accounting, and `import dpcore` enough to load models.
+
+`dpcore_accounting` must compute ε without importing TensorFlow (the `dpcore-epsilon` CLI relies
+on it); `dpcore/__init__.py` must stay eager, since importing it is what registers DPModel and
+DPOptimizer with Keras for `keras.saving.load_model` in a fresh process.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import dpcore
+import dpcore_accounting
+from dpcore.model import make_private
+
+
+def _python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_dpcore_accounting_computes_epsilon_without_tensorflow():
+    done = _python(
+        """
+        import sys
+        import dpcore_accounting as acc
+
+        config = acc.DPConfig(l2_norm_clip=1.0, noise_multiplier=1.1,
+                              expected_batch_size=256, num_examples=60000, steps=1000)
+        ledger = config.new_ledger()
+        ledger.record_steps(1000, noise_multiplier=1.1, sampling_prob=config.sampling_prob)
+        sigma = acc.calibrate_noise_multiplier(
+            target_epsilon=1.0, target_delta=1e-5, sampling_prob=config.sampling_prob,
+            steps=1000, accountant="rdp")
+        print(config.epsilon("pld"), config.epsilon("rdp"), ledger.epsilon(1e-5), sigma)
+        loaded = sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras", "dpcore"})
+        print("loaded:", loaded)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded: []" in done.stdout, done.stdout
+
+
+def test_dpcore_names_are_the_tensorflow_free_objects():
+    from dpcore.accounting import calibration, events, ledger
+
+    assert dpcore.DPConfig is dpcore_accounting.DPConfig
+    assert dpcore.config.DPConfig is dpcore_accounting.DPConfig
+    assert events is dpcore_accounting.events and dpcore.accounting.events is events
+    assert calibration is dpcore_accounting.calibration
+    assert ledger is dpcore_accounting.ledger
+    assert dpcore.accounting.PrivacyLedger is dpcore_accounting.PrivacyLedger
+    assert set(dpcore.accounting.__all__) == set(dpcore_accounting.__all__)
+
+
+@pytest.mark.slow
+def test_saved_dp_model_loads_in_a_fresh_process_after_import_dpcore(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(16,))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    dp = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        l2_norm_clip=1.0,
+        noise_multiplier=0.5,
+        expected_batch_size=8,
+    )
+    dp.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = tmp_path / "dp.keras"
+    dp.save(path)
+    done = _python(
+        f"""
+        import dpcore
+        import keras
+
+        loaded = keras.saving.load_model({str(path)!r})
+        print(type(loaded).__name__, type(loaded.optimizer).__name__,
+              int(loaded.optimizer.dp_steps))
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["DPModel", "DPOptimizer", "2"], done.stdout
