@@ -9,7 +9,9 @@ from dpcore.config import DPConfig
 from dpcore.engine import per_example_gradients, per_example_norms, summarize
 from dpcore.explain import explain
 from dpcore.model import DPModel, make_private
-from dpcore.optimizer import DPOptimizer, dp_step, dp_train_step
+from dpcore.optimizer import DPOptimizer
+from dpcore.options import ExecutionOptions
+from dpcore.step import dp_step, dp_train_step
 
 __version__ = "0.1.0"
 
@@ -17,6 +19,7 @@ __all__ = [
     "DPConfig",
     "DPModel",
     "DPOptimizer",
+    "ExecutionOptions",
     "accounting",
     "aggregation",
     "audit",

@@ -3,7 +3,8 @@
 Contract:
 - :class:`DPModel` wraps a built Keras model without modifying it: ``call`` delegates to the
   wrapped model (so ``predict`` and ``evaluate`` behave as usual and share its weights), and
-  ``train_step`` runs :func:`dpcore.optimizer.dp_step` with the compiled :class:`DPOptimizer`.
+  ``train_step`` runs :func:`dpcore.step.dp_step` with the compiled :class:`DPOptimizer` and the
+  model's :class:`~dpcore.ExecutionOptions`.
 - Accepted batches: ``(x, y)``, ``(x, y, sample_weight)`` and the sampler's
   ``(x, y, mask, step_end)``. Padding rows (mask 0) contribute nothing to the update, the loss or
   any metric; an all-padding batch is a valid step (noise only).
@@ -39,7 +40,9 @@ import tensorflow as tf
 
 from dpcore import sampling, validation
 from dpcore.losses import per_example_loss_fn
-from dpcore.optimizer import DPOptimizer, dp_step
+from dpcore.optimizer import DPOptimizer
+from dpcore.options import ExecutionOptions, resolve
+from dpcore.step import dp_step
 
 __all__ = ["DPModel", "make_private"]
 
@@ -124,11 +127,9 @@ class DPModel(keras.Model):
 
     Args:
       model: the Keras model to train (built, with trainable variables).
-      method: engine path, ``"auto"``, ``"fast"`` or ``"vectorized"``.
-      nonfinite: ``"raise"`` (default) fails the step on NaN/Inf in inputs, labels or sample
-        weights, or on a NaN/Inf loss or gradient of an example with finite inputs; ``"skip"``
-        drops such examples from the step and counts them in the logs (``skipped``).
-      chunk_size: vectorized path only: examples per chunk, bounding peak memory.
+      options: how the step computes (:class:`dpcore.ExecutionOptions`): engine path, chunking,
+        layer rules, and non-finite handling (with ``nonfinite="skip"`` the dropped examples are
+        counted in the logs as ``skipped``). A custom ``registry`` is not saved with the model.
       name: the wrapper's name (default ``"dp_<model name>"``).
 
     Compile it with a :class:`DPOptimizer` and a per-example-capable loss (any Keras loss; it is
@@ -143,9 +144,7 @@ class DPModel(keras.Model):
         self,
         model: keras.Model,
         *,
-        method: str = "auto",
-        nonfinite: str = "raise",
-        chunk_size: int | None = None,
+        options: ExecutionOptions | None = None,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -156,12 +155,17 @@ class DPModel(keras.Model):
         validation.check_model(model, require_variables=model.built)
         super().__init__(name=name or f"dp_{model.name}", **kwargs)
         self.model = model
-        self.method = method
-        self.nonfinite = nonfinite
-        self.chunk_size = chunk_size
+        self.options = resolve(options)
+        if not self.options.training:
+            raise ValueError(
+                "DPModel trains: ExecutionOptions(training=False) would run its layers in "
+                "inference mode during fit. Use training=True (the default)."
+            )
         self.loss_tracker = keras.metrics.Mean(name="loss")
         # With nonfinite="skip", how many real examples the steps dropped (in the logs).
-        self.skipped_tracker = keras.metrics.Sum(name="skipped") if nonfinite == "skip" else None
+        self.skipped_tracker = (
+            keras.metrics.Sum(name="skipped") if self.options.nonfinite == "skip" else None
+        )
         # How the last fit was fed ("arrays", "dataset" or "masked_batches"): the privacy
         # callbacks check it against the sampling their config accounts for.
         self.data_feed: str | None = None
@@ -428,10 +432,7 @@ class DPModel(keras.Model):
             sample_weight=sample_weight,
             mask=mask,
             step_end=step_end,
-            method=self.method,
-            training=True,
-            chunk_size=self.chunk_size,
-            nonfinite=self.nonfinite,
+            options=self.options,
         )
         self.loss_tracker.update_state(result.loss, sample_weight=result.num_examples)
         if self.skipped_tracker is not None:
@@ -465,9 +466,11 @@ class DPModel(keras.Model):
     def get_config(self) -> dict[str, Any]:
         return {
             "model": keras.saving.serialize_keras_object(self.model),
-            "method": self.method,
-            "nonfinite": self.nonfinite,
-            "chunk_size": self.chunk_size,
+            "options": {
+                "method": self.options.method,
+                "nonfinite": self.options.nonfinite,
+                "chunk_size": self.options.chunk_size,
+            },
             "name": self.name,
         }
 
@@ -477,7 +480,8 @@ class DPModel(keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        return cls(model, **config)
+        options = ExecutionOptions(**config.pop("options", {}))
+        return cls(model, options=options, **config)
 
 
 def make_private(
@@ -493,9 +497,7 @@ def make_private(
     accumulation_steps: int | None = None,
     seed: int | Sequence[int] | None = None,
     config: Any = None,
-    method: str = "auto",
-    nonfinite: str = "raise",
-    chunk_size: int | None = None,
+    options: ExecutionOptions | None = None,
     **compile_kwargs: Any,
 ) -> DPModel:
     """Wraps ``model`` for DP-SGD training with ``fit`` and compiles it.
@@ -514,9 +516,8 @@ def make_private(
       seed: fixed noise seed, tests/reproducibility only (with a plain ``optimizer``).
       config: an object with ``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size`` and
         optionally ``accumulation_steps`` (e.g. ``dpcore.DPConfig``), instead of the keywords.
-      method: engine path (``"auto"``, ``"fast"``, ``"vectorized"``).
-      nonfinite: ``"raise"`` or ``"skip"`` examples with NaN/Inf inputs or labels.
-      chunk_size: vectorized path memory bound.
+      options: how the step computes (:class:`dpcore.ExecutionOptions`: engine path, chunking,
+        non-finite handling, layer rules); training mode is always on.
       **compile_kwargs: further ``keras.Model.compile`` arguments.
 
     Returns:
@@ -577,7 +578,7 @@ def make_private(
             accumulation_steps=int(given.get("accumulation_steps", 1)),
             seed=seed,
         )
-    dp_model = DPModel(model, method=method, nonfinite=nonfinite, chunk_size=chunk_size)
+    dp_model = DPModel(model, options=options)
     dp_model.compile(
         optimizer=dp_optimizer,
         loss=loss,

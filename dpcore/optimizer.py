@@ -22,9 +22,8 @@ Contract:
 - Under a multi-replica ``tf.distribute`` strategy each replica clips its own examples, the clipped
   sums are all-reduced, and every replica adds the same noise (same seed), so noise is added
   exactly once per global step and normalized by the global ``expected_batch_size``.
-- :func:`dp_step` / :func:`dp_train_step` are the custom-training-loop entry: per-example
-  gradients (:func:`dpcore.engine.summarize`), clipping (:func:`dpcore.aggregation.clip`) and the
-  optimizer update in one call, meant to run inside the user's ``tf.function``.
+- The optimizer owns the clip parameters and clips through :meth:`DPOptimizer.clip`; the DP step
+  that composes engine, clipping and this optimizer is written once, in :mod:`dpcore.step`.
 """
 
 from __future__ import annotations
@@ -38,10 +37,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dpcore import aggregation, engine, validation
+from dpcore import aggregation
 from dpcore.aggregation import ClippedSum
+from dpcore.engine.summary import GradientSummary
 
-__all__ = ["DPOptimizer", "DPStepResult", "dp_step", "dp_train_step"]
+__all__ = ["DPOptimizer"]
 
 # Base-optimizer arguments that belong on the inner optimizer, with their neutral values.
 _BASE_ARGS = {
@@ -312,6 +312,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Refuses raw gradients; see :meth:`apply`."""
         self.apply(None)
 
+    def clip(self, summary: GradientSummary) -> ClippedSum:
+        """Clips a batch's per-example gradients with this optimizer's bound(s).
+
+        The optimizer owns the clip parameters (``l2_norm_clip``, ``variable_groups``): the DP
+        step clips through it, so the bound that is applied is the one the noise is scaled to.
+
+        Privacy:
+          Each example's contribution has norm at most ``l2_norm_clip`` (per group with groups),
+          computed from certified norm bounds (:func:`dpcore.aggregation.clip`).
+        """
+        return aggregation.clip(
+            summary, l2_norm_clip=self.l2_norm_clip, variable_groups=self.variable_groups
+        )
+
     def step_seed(self) -> tf.Tensor:
         """The ``[2]`` int64 seed of the current logical step's noise."""
         return tf.random.experimental.stateless_fold_in(
@@ -411,10 +425,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads = [
             tf.debugging.check_numerics(
                 tf.convert_to_tensor(g),
-                "dpcore: the clipped gradient sum is not finite; the step was not applied. NaN/Inf "
-                "in inputs or labels: pass nonfinite='skip' to drop such examples. A loss or "
-                "gradient that is not finite for finite inputs (e.g. log(0) in the loss): make the "
-                "loss finite, 'skip' does not catch it",
+                "dpcore: the clipped gradient sum is not finite; the step was not applied. The "
+                "engine drops or refuses non-finite examples before this point, so a clipped sum "
+                "built outside dpcore.engine.summarize is the likely cause",
             )
             for g in grads
         ]
@@ -529,158 +542,3 @@ class DPOptimizer(keras.optimizers.Optimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-@dataclasses.dataclass(frozen=True)
-class DPStepResult:
-    """What one DP step computed (all non-private diagnostics of the batch).
-
-    Attributes:
-      loss: mean per-example loss over the real (unmasked) examples, before the update.
-      per_example_loss: ``[B]``, zero where masked.
-      y_pred: the model's output on the batch.
-      mask: ``[B]`` float32, 0 for padding or skipped examples.
-      num_examples: realized number of real examples.
-      per_example_norms: ``[B]`` unclipped gradient norms (zero where masked).
-      input_gradients: per-example gradients w.r.t. the inputs, or None.
-      num_skipped: real examples dropped by ``nonfinite="skip"`` (non-finite inputs, labels,
-        weights, loss or gradient); always 0 with ``"raise"``.
-    """
-
-    loss: tf.Tensor
-    per_example_loss: tf.Tensor
-    y_pred: Any
-    mask: tf.Tensor
-    num_examples: tf.Tensor
-    per_example_norms: tf.Tensor
-    input_gradients: Any = None
-    num_skipped: Any = 0.0
-
-
-def dp_step(
-    model: Any,
-    loss: Any,
-    x: Any,
-    y: Any,
-    *,
-    optimizer: DPOptimizer,
-    sample_weight: Any = None,
-    mask: Any = None,
-    step_end: Any = None,
-    wrt_inputs: bool = False,
-    method: str = "auto",
-    training: bool = True,
-    chunk_size: int | None = None,
-    nonfinite: str = "raise",
-) -> DPStepResult:
-    """One DP-SGD (micro-)step: per-example gradients, clipping, noise, update.
-
-    Same arguments as :func:`dp_train_step`; returns a :class:`DPStepResult`.
-
-    Privacy:
-      Only the model update is privatized. Everything in the returned result (loss, predictions,
-      norms, input gradients) is computed from the raw batch and is not private.
-    """
-    if not isinstance(optimizer, DPOptimizer):
-        raise TypeError(
-            f"optimizer must be a dpcore.DPOptimizer, got {type(optimizer).__name__}: wrap it, "
-            "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
-            "noise_multiplier=..., expected_batch_size=...)."
-        )
-    validation.check_model(model, x, training=training)
-    variables = list(model.trainable_variables)
-    summary = engine.summarize(
-        model,
-        loss,
-        x,
-        y,
-        sample_weight=sample_weight,
-        mask=mask,
-        variables=variables,
-        method=method,
-        training=training,
-        chunk_size=chunk_size,
-        wrt_inputs=wrt_inputs,
-        nonfinite=nonfinite,
-    )
-    clipped = aggregation.clip(
-        summary, l2_norm_clip=optimizer.l2_norm_clip, variable_groups=optimizer.variable_groups
-    )
-    optimizer.apply_clipped_sum(clipped, summary.variables, step_end=step_end)
-    num = tf.reduce_sum(summary.mask)
-    mean_loss = tf.reduce_sum(tf.cast(summary.per_example_loss, tf.float32)) / tf.maximum(num, 1.0)
-    return DPStepResult(
-        loss=mean_loss,
-        per_example_loss=summary.per_example_loss,
-        y_pred=summary.y_pred,
-        mask=summary.mask,
-        num_examples=num,
-        per_example_norms=clipped.per_example_norms,
-        input_gradients=summary.input_gradients,
-        num_skipped=summary.num_skipped,
-    )
-
-
-def dp_train_step(
-    model: Any,
-    loss: Any,
-    x: Any,
-    y: Any,
-    *,
-    optimizer: DPOptimizer,
-    sample_weight: Any = None,
-    mask: Any = None,
-    step_end: Any = None,
-    wrt_inputs: bool = False,
-    method: str = "auto",
-    training: bool = True,
-    chunk_size: int | None = None,
-    nonfinite: str = "raise",
-) -> Any:
-    """The custom-training-loop DP step; call it inside your ``tf.function``.
-
-    Computes per-example gradients of ``loss`` (one compiled program, no retrace per step), clips
-    each to ``optimizer.l2_norm_clip``, and lets ``optimizer`` accumulate, noise and apply them.
-
-    Args:
-      model: a built Keras model.
-      loss: a per-example loss (``reduction=None``, shape ``[B]``) or a Keras loss/name.
-      x: inputs with a leading batch axis.
-      y: labels.
-      optimizer: the :class:`DPOptimizer`.
-      sample_weight: optional ``[B]`` loss weights.
-      mask: optional ``[B]``; 0 marks padding (the sampler's mask). An all-masked or empty batch is
-        a valid step: noise only.
-      step_end: optional bool: True on the last chunk of a logical step (the sampler's flag).
-      wrt_inputs: also return per-example gradients w.r.t. the inputs.
-      method: engine path, ``"auto"``, ``"fast"`` or ``"vectorized"``.
-      training: passed to the model call.
-      chunk_size: vectorized path only: bound memory by processing this many examples at a time.
-      nonfinite: ``"raise"`` fails on NaN/Inf in inputs or labels; ``"skip"`` drops such examples.
-
-    Returns:
-      The mean per-example loss of the real examples, or ``(loss, input_gradients)`` with
-      ``wrt_inputs=True``.
-
-    Privacy:
-      The model update is (σ, C)-Gaussian-privatized per logical step. The returned loss and input
-      gradients come from the raw batch and are not private: do not release them.
-    """
-    result = dp_step(
-        model,
-        loss,
-        x,
-        y,
-        optimizer=optimizer,
-        sample_weight=sample_weight,
-        mask=mask,
-        step_end=step_end,
-        wrt_inputs=wrt_inputs,
-        method=method,
-        training=training,
-        chunk_size=chunk_size,
-        nonfinite=nonfinite,
-    )
-    if wrt_inputs:
-        return result.loss, result.input_gradients
-    return result.loss

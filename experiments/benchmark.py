@@ -286,6 +286,7 @@ def make_train_step(
     import tensorflow as tf
 
     from dpcore import aggregation, engine
+    from dpcore.options import ExecutionOptions
 
     if method not in METHODS:
         raise ValueError(f"method={method!r}; expected one of {METHODS}.")
@@ -327,7 +328,9 @@ def make_train_step(
             )
             summary = _summary_from_grads(variables, [_dense(j) for j in jac], losses, y_pred)
         else:
-            summary = engine.summarize(model, loss_fn, x, y, variables=variables, method=method)
+            summary = engine.summarize(
+                model, loss_fn, x, y, variables=variables, options=ExecutionOptions(method=method)
+            )
         info["paths"] = dict(summary.paths)
         return privatize_and_apply(aggregation.clip(summary, l2_norm_clip=l2_norm_clip))
 

@@ -78,12 +78,16 @@ def make_stats_fn(model: Any, loss: Any) -> Any:
     import tensorflow as tf
 
     from dpcore import engine
+    from dpcore.options import ExecutionOptions
 
     variables = list(model.trainable_variables)
+    inference = ExecutionOptions(training=False)  # as the batch gradient below
 
     @tf.function
     def fn(x, y):
-        per_example = engine.per_example_gradients(model, loss, x, y, variables=variables)
+        per_example = engine.per_example_gradients(
+            model, loss, x, y, variables=variables, options=inference
+        )
         with tf.GradientTape() as tape:
             losses = loss(y, model(x, training=False))
             mean_loss = tf.reduce_mean(losses)
@@ -159,6 +163,7 @@ def make_dp_step(
     import tensorflow as tf
 
     from dpcore import aggregation, engine
+    from dpcore.options import ExecutionOptions
 
     variables = list(model.trainable_variables)
     opt = keras.optimizers.SGD(learning_rate=learning_rate)
@@ -167,7 +172,9 @@ def make_dp_step(
 
     @tf.function
     def step(x, y):
-        s = engine.summarize(model, loss, x, y, variables=variables, method="vectorized")
+        s = engine.summarize(
+            model, loss, x, y, variables=variables, options=ExecutionOptions(method="vectorized")
+        )
         clipped = aggregation.clip(s, l2_norm_clip=l2_norm_clip)
         current = noise_seed.read_value()
         noise_seed.assign_add(tf.constant([0, 1], tf.int64))

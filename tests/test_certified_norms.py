@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import dpcore
 from dpcore import aggregation, norms
+from dpcore.options import ExecutionOptions
 from dpcore.testing import reference_per_example_gradients
 
 # Stated once for the whole suite: the batch-level float32 sums add rounding of the other records'
@@ -27,7 +28,12 @@ def _clipped_sum(model, loss, x, y, mask, method, nonfinite="raise"):
     @tf.function
     def run(x, y, mask):
         s = dpcore.summarize(
-            model, loss, x, y, mask=mask, method=method, training=False, nonfinite=nonfinite
+            model,
+            loss,
+            x,
+            y,
+            mask=mask,
+            options=ExecutionOptions(method=method, training=False, nonfinite=nonfinite),
         )
         clipped = aggregation.clip(s, l2_norm_clip=C)
         return clipped.grads, s.sq_norms, s.mask
@@ -179,7 +185,7 @@ def test_per_group_clipping_respects_each_bound(rng):
 
     @tf.function
     def run(mask):
-        s = dpcore.summarize(model, MSE, x, y, mask=mask, method="fast")
+        s = dpcore.summarize(model, MSE, x, y, mask=mask, options=ExecutionOptions(method="fast"))
         return aggregation.clip(s, l2_norm_clip=bounds, variable_groups=[0, 1]).grads
 
     def clipped(mask):
@@ -298,7 +304,7 @@ def test_dp_model_logs_skipped_examples():
         l2_norm_clip=C,
         noise_multiplier=0.0,
         expected_batch_size=4,
-        nonfinite="skip",
+        options=ExecutionOptions(nonfinite="skip"),
     )
     x = np.array([[0.0, 0.0], [1.0, 2.0], [0.5, 0.5], [2.0, 1.0]], "float32")  # row 0: log(0)
     y = np.zeros((4, 1), "float32")

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import dpcore.engine as engine
 from dpcore import aggregation
+from dpcore.options import ExecutionOptions
 from dpcore.testing import (
     reference_clipped_mean,
     reference_input_gradients,
@@ -54,7 +55,9 @@ def test_summary_norms_and_clipped_sum_match_reference(name, rng):
 
     @tf.function
     def step(x, y):
-        s = engine.summarize(model, LOSS, x, y, method="vectorized", training=False)
+        s = engine.summarize(
+            model, LOSS, x, y, options=ExecutionOptions(method="vectorized", training=False)
+        )
         clipped = aggregation.clip(s, l2_norm_clip=c)
         return clipped.per_example_norms, [g / 6.0 for g in clipped.grads]
 
@@ -72,7 +75,12 @@ def test_chunked_summary_equals_unchunked(rng):
     @tf.function
     def step(x, y, chunk):
         s = engine.summarize(
-            model, LOSS, x, y, mask=mask, method="vectorized", training=False, chunk_size=chunk
+            model,
+            LOSS,
+            x,
+            y,
+            mask=mask,
+            options=ExecutionOptions(method="vectorized", training=False, chunk_size=chunk),
         )
         clipped = aggregation.clip(s, l2_norm_clip=0.5)
         return clipped.per_example_norms, clipped.grads
@@ -87,7 +95,9 @@ def test_chunked_summary_equals_unchunked(rng):
 def test_input_gradients_match_reference_in_same_step(rng):
     model = BUILDERS["tanh_cnn"]()
     x, y = batch_for("tanh_cnn", 4, rng)
-    grads, xg = engine.per_example_gradients(model, LOSS, x, y, wrt_inputs=True)
+    grads, xg = engine.per_example_gradients(
+        model, LOSS, x, y, options=ExecutionOptions(wrt_inputs=True)
+    )
     _close(xg, reference_input_gradients(model, LOSS, x, y))
     for g, r in zip(grads, reference_per_example_gradients(model, LOSS, x, y)):
         _close(g, r)
@@ -97,7 +107,7 @@ def test_eager_calls_compile_once(rng):
     model = BUILDERS["mlp"]()
     for _step in range(5):
         x, y = batch_for("mlp", 4, rng)
-        engine.per_example_gradients(model, LOSS, x, y, wrt_inputs=True)
+        engine.per_example_gradients(model, LOSS, x, y, options=ExecutionOptions(wrt_inputs=True))
     fn = next(iter(engine._COMPILED[model].values()))
     traces = fn.experimental_get_tracing_count()
     assert traces == 1, traces
@@ -150,7 +160,9 @@ def test_nonfinite_inputs_raise_or_skip(rng):
     x[1, 3] = np.nan
     with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or Inf"):
         engine.per_example_gradients(model, LOSS, x, y)
-    got = engine.per_example_gradients(model, LOSS, x, y, nonfinite="skip")
+    got = engine.per_example_gradients(
+        model, LOSS, x, y, options=ExecutionOptions(nonfinite="skip")
+    )
     ref = reference_per_example_gradients(model, LOSS, np.nan_to_num(x), y, mask=[1, 0, 1, 1])
     for g, r in zip(got, ref):
         assert np.all(np.isfinite(g))
@@ -164,7 +176,9 @@ def test_nonfinite_sample_weight_raises_or_is_skipped(bad, rng):
     sw = np.array([1.0, bad, 0.5, 2.0], "float32")
     with pytest.raises(tf.errors.InvalidArgumentError, match="sample weights"):
         engine.per_example_gradients(model, LOSS, x, y, sample_weight=sw)
-    got = engine.per_example_gradients(model, LOSS, x, y, sample_weight=sw, nonfinite="skip")
+    got = engine.per_example_gradients(
+        model, LOSS, x, y, sample_weight=sw, options=ExecutionOptions(nonfinite="skip")
+    )
     ref = reference_per_example_gradients(
         model, LOSS, x, y, sample_weight=np.nan_to_num(sw, posinf=0.0), mask=[1, 0, 1, 1]
     )
@@ -189,12 +203,14 @@ def test_per_example_gradients_chunked_equal_unchunked(rng):
     model = BUILDERS["tanh_cnn"]()
     x, y = batch_for("tanh_cnn", 5, rng)
     full = engine.per_example_gradients(model, LOSS, x, y)
-    chunked = engine.per_example_gradients(model, LOSS, x, y, chunk_size=2)
+    chunked = engine.per_example_gradients(
+        model, LOSS, x, y, options=ExecutionOptions(chunk_size=2)
+    )
     for a, b in zip(full, chunked):
         assert a.shape == b.shape
         _close(a, b)
     with pytest.raises(ValueError, match="chunk_size"):
-        engine.per_example_gradients(model, LOSS, x, y, chunk_size=0)
+        engine.per_example_gradients(model, LOSS, x, y, options=ExecutionOptions(chunk_size=0))
 
 
 def test_nonfinite_check_gates_the_update_in_a_compiled_step(rng):

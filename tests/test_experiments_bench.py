@@ -13,6 +13,9 @@ import pytest
 import tensorflow as tf
 from dpcore_experiments import benchmark, gradient_stats
 
+import dpcore
+from dpcore.options import ExecutionOptions
+from dpcore.testing import assert_sq_norm_bound
 from dpcore.testing.reference import reference_per_example_gradients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +46,14 @@ def _reference_grads(model_name: str, x, y):
     return grads, np.sqrt(sum(np.sum(g.reshape(b, -1) ** 2, axis=1) for g in grads))
 
 
+def _fast_norm_bounds(model_name: str, x, y) -> np.ndarray:
+    """The fast path's per-example norm bounds for the same model and batch."""
+    model = benchmark.build_model(model_name, seed=0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    bounds = dpcore.per_example_norms(model, loss, x, y, options=ExecutionOptions(method="fast"))
+    return np.asarray(bounds, np.float64)
+
+
 def _clipped_mean(grads, norms, *, l2_norm_clip: float):
     factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-12))
     return [np.tensordot(factors, g, axes=1) / len(norms) for g in grads]
@@ -66,9 +77,18 @@ def test_dp_steps_apply_the_reference_clipped_mean(model_name, methods):
     assert norms.min() < c < norms.max()
     expected = _clipped_mean(grads, norms, l2_norm_clip=c)
     for method in methods:
+        if method == "fast":
+            # The fast path clips with certified upper bounds of the norms (dpcore.norms), up to
+            # NORM_BOUND_SLACK above the exact ones: check that contract, then the update against
+            # the reference gradients weighted with the clip factors of those bounds.
+            bounds = _fast_norm_bounds(model_name, x, y)
+            assert_sq_norm_bound(bounds**2, norms**2)
+            want = _clipped_mean(grads, bounds, l2_norm_clip=c)
+        else:
+            want = expected
         got = _updated_weights(model_name, method, x, y, l2_norm_clip=c)
-        assert len(got) == len(expected)
-        for g, e in zip(got, expected):
+        assert len(got) == len(want)
+        for g, e in zip(got, want):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-7, err_msg=method)
 
 

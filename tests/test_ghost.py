@@ -18,6 +18,7 @@ from dpcore.engine.summary import prepare_batch
 from dpcore.engine.vectorized import vectorized_summary
 from dpcore.explain import explain
 from dpcore.losses import per_example_loss_fn
+from dpcore.options import ExecutionOptions
 from dpcore.testing import (
     assert_sq_norm_bound,
     reference_input_gradients,
@@ -39,7 +40,14 @@ def _both_paths(model, x, y, sw, mask, weights, *, wrt_inputs=False, jit=False):
         out = []
         for summarize in (ghost.fast_summary, vectorized_summary):
             s = summarize(
-                model, loss_fn, xp, yp, swp, mkp, variables, training=False, wrt_inputs=wrt_inputs
+                model,
+                loss_fn,
+                xp,
+                yp,
+                swp,
+                mkp,
+                variables,
+                options=ExecutionOptions(training=False, wrt_inputs=wrt_inputs),
             )
             out.append((s.sq_norms, s.weighted_sum(weights), s.per_example_loss, s.input_gradients))
         return out
@@ -183,7 +191,14 @@ def test_subclassed_model_falls_back_whole_with_warning(rng):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         s = ghost.fast_summary(
-            model, loss_fn, xp, yp, sw, mk, model.trainable_variables, training=False
+            model,
+            loss_fn,
+            xp,
+            yp,
+            sw,
+            mk,
+            model.trainable_variables,
+            options=ExecutionOptions(training=False),
         )
     assert any("subclassed" in str(w.message) for w in caught)
     ref = reference_per_example_gradients(model, LOSS, x, y)
@@ -215,7 +230,14 @@ def test_variable_read_outside_its_layer_falls_back_whole(reader, rng):
         s = tf.function(
             lambda: (
                 ghost.fast_summary(
-                    model, loss_fn, xp, yp, sw, mk, model.trainable_variables, training=False
+                    model,
+                    loss_fn,
+                    xp,
+                    yp,
+                    sw,
+                    mk,
+                    model.trainable_variables,
+                    options=ExecutionOptions(training=False),
                 ).sq_norms
             )
         )()
@@ -233,7 +255,9 @@ def test_variable_subset_and_frozen_layers(rng):
     x, y = batch_for("mlp", 3, rng)
     loss_fn = per_example_loss_fn(LOSS)
     xp, yp, sw, mk = prepare_batch(x, y)
-    s = ghost.fast_summary(model, loss_fn, xp, yp, sw, mk, variables, training=False)
+    s = ghost.fast_summary(
+        model, loss_fn, xp, yp, sw, mk, variables, options=ExecutionOptions(training=False)
+    )
     ref = reference_per_example_gradients(model, LOSS, x, y, variables=variables)
     assert_sq_norm_bound(s.sq_norms[:, 0], np.sum(ref[0].reshape(3, -1) ** 2, axis=1), rtol=RTOL)
     assert explain(model).paths()["dense_0"] == "frozen"
@@ -277,7 +301,14 @@ def test_summary_paths_name_layers_like_explain(rng):
     x, y = rng.integers(0, 30, (2, 6)).astype("int32"), rng.integers(0, 3, 2)
     xp, yp, sw, mk = prepare_batch(x, y)
     s = ghost.fast_summary(
-        model, per_example_loss_fn(LOSS), xp, yp, sw, mk, model.trainable_variables, training=False
+        model,
+        per_example_loss_fn(LOSS),
+        xp,
+        yp,
+        sw,
+        mk,
+        model.trainable_variables,
+        options=ExecutionOptions(training=False),
     )
     report = explain(model).paths()
     for name, path in s.paths.items():

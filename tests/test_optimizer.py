@@ -9,7 +9,9 @@ import pytest
 import tensorflow as tf
 
 from dpcore import aggregation
-from dpcore.optimizer import DPOptimizer, dp_step, dp_train_step
+from dpcore.optimizer import DPOptimizer
+from dpcore.options import ExecutionOptions
+from dpcore.step import dp_step, dp_train_step
 from dpcore.testing import (
     reference_clipped_mean,
     reference_input_gradients,
@@ -159,7 +161,7 @@ def test_nonfinite_skip_equals_masking_the_example(rng):
     x, y = batch(rng)
     x[2, 1] = np.nan
     skip_model, mask_model = small_mlp(), small_mlp()
-    step_fn(skip_model, make_opt(seed=1), nonfinite="skip")(x, y)
+    step_fn(skip_model, make_opt(seed=1), options=ExecutionOptions(nonfinite="skip"))(x, y)
     mask = np.ones(6, "float32")
     mask[2] = 0
     x_clean = np.nan_to_num(x)
@@ -248,7 +250,9 @@ def test_input_gradients_match_reference(rng):
     model = small_mlp()
     x, y = batch(rng)
     ref = reference_input_gradients(model, LOSS, x, y, training=True)
-    loss, in_grads = dp_train_step(model, LOSS, x, y, optimizer=make_opt(), wrt_inputs=True)
+    loss, in_grads = dp_train_step(
+        model, LOSS, x, y, optimizer=make_opt(), options=ExecutionOptions(wrt_inputs=True)
+    )
     np.testing.assert_allclose(in_grads, ref, rtol=1e-4, atol=1e-6)
     assert loss.shape == ()
 
@@ -536,7 +540,8 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras
 import numpy as np
-from dpcore.optimizer import DPOptimizer, dp_train_step
+from dpcore.optimizer import DPOptimizer
+from dpcore.step import dp_train_step
 from dpcore.testing import reference_clipped_mean, reference_per_example_gradients
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

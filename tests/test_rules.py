@@ -14,6 +14,7 @@ from dpcore.engine import registry
 from dpcore.engine.ghost import fast_summary
 from dpcore.engine.summary import prepare_batch
 from dpcore.losses import per_example_loss_fn
+from dpcore.options import ExecutionOptions
 from dpcore.rules import linear
 from dpcore.rules.embedding import same_id_sq_norm
 from dpcore.testing import assert_sq_norm_bound, reference_per_example_gradients
@@ -30,7 +31,14 @@ def _summaries(model, x, y, sw, mask, weights, mode):
     def step(x, y, sw, mask, weights):
         xp, yp, swp, mkp = prepare_batch(x, y, sw, mask)
         s = fast_summary(
-            model, loss_fn, xp, yp, swp, mkp, model.trainable_variables, training=False
+            model,
+            loss_fn,
+            xp,
+            yp,
+            swp,
+            mkp,
+            model.trainable_variables,
+            options=ExecutionOptions(training=False),
         )
         return s.sq_norms, s.weighted_sum(weights), s.per_example_loss, s.paths
 
@@ -248,7 +256,7 @@ def test_conv_under_mixed_precision(rank, rng):
     x = rng.normal(size=(4, *shape)).astype("float32")
     y = np.array([0, 1, 1, 0])
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    summary = summarize(model, sce, x, y, method="fast", training=False)
+    summary = summarize(model, sce, x, y, options=ExecutionOptions(method="fast", training=False))
     assert summary.paths[conv.name] in ("ghost", "materialized")  # the conv rule ran
     ref = reference_per_example_gradients(model, sce, x, y)
     ref_sq = np.stack([np.sum(g.reshape(4, -1) ** 2, axis=1) for g in ref], axis=1)

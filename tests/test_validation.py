@@ -6,7 +6,9 @@ import pytest
 import tensorflow as tf
 
 from dpcore import engine
-from dpcore.optimizer import DPOptimizer, dp_step, dp_train_step
+from dpcore.optimizer import DPOptimizer
+from dpcore.options import ExecutionOptions
+from dpcore.step import dp_step, dp_train_step
 from dpcore.validation import check_layers, check_trainable, find_batch_mixing_layers
 
 
@@ -89,7 +91,7 @@ def test_stateful_rnn_is_refused():
         keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=1
     )
     with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):
-        dp_step(model, "mse", x, y, optimizer=opt, method="vectorized")
+        dp_step(model, "mse", x, y, optimizer=opt, options=ExecutionOptions(method="vectorized"))
     with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):
         tf.function(lambda a, b: dp_train_step(model, "mse", a, b, optimizer=opt))(x, y)
     with pytest.raises(ValueError, match="seq/lstm.*stateful=False"):

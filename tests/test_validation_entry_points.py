@@ -12,7 +12,9 @@ import pytest
 import tensorflow as tf
 
 from dpcore import engine, validation
-from dpcore.optimizer import DPOptimizer, dp_step, dp_train_step
+from dpcore.optimizer import DPOptimizer
+from dpcore.options import ExecutionOptions
+from dpcore.step import dp_step, dp_train_step
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(4, 3)).astype("float32")
@@ -110,15 +112,25 @@ def _assert_unchanged(model: keras.Model, before: list[np.ndarray]) -> None:
 
 def _entry_points(model, method):
     """Calls every public training entry point once on (X, Y)."""
-    yield "dp_step", lambda: dp_step(model, "mse", X, Y, optimizer=_optimizer(), method=method)
+    yield (
+        "dp_step",
+        lambda: dp_step(
+            model, "mse", X, Y, optimizer=_optimizer(), options=ExecutionOptions(method=method)
+        ),
+    )
     opt = _optimizer()
 
     @tf.function
     def step(x, y):
-        return dp_train_step(model, "mse", x, y, optimizer=opt, method=method)
+        return dp_train_step(
+            model, "mse", x, y, optimizer=opt, options=ExecutionOptions(method=method)
+        )
 
     yield "dp_train_step", lambda: step(X, Y)
-    yield "summarize", lambda: engine.summarize(model, "mse", X, Y, method=method)
+    yield (
+        "summarize",
+        lambda: engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method=method)),
+    )
 
 
 @pytest.mark.parametrize("method", ["vectorized", "fast"])
@@ -152,7 +164,14 @@ def test_raw_tf_variable_written_in_a_data_dependent_branch_is_refused():
     model(X)
     before = np.array(model.layers[0].mean)
     with pytest.raises(ValueError, match=r"update state[^$]*rawnet/running \(RunningMean\)"):
-        dp_step(model, "mse", X, Y, optimizer=_optimizer(), method="vectorized")
+        dp_step(
+            model,
+            "mse",
+            X,
+            Y,
+            optimizer=_optimizer(),
+            options=ExecutionOptions(method="vectorized"),
+        )
     np.testing.assert_array_equal(np.array(model.layers[0].mean), before)
 
 
@@ -160,13 +179,13 @@ def test_keras_variable_assigned_in_a_branch_is_refused():
     model = _with(BranchCounter(name="branchy"), "condnet")
     model(X)
     with pytest.raises(ValueError, match=r"condnet/branchy \(BranchCounter\).*hits"):
-        engine.summarize(model, "mse", X, Y, method="fast")
+        engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
 
 
 def test_model_needing_a_static_batch_size_is_validated_and_trains():
     model = _with(StaticBatch(name="static"), "staticnet")
     kernel = np.array(model.layers[-1].kernel)
-    dp_step(model, "mse", X, Y, optimizer=_optimizer(), method="fast")
+    dp_step(model, "mse", X, Y, optimizer=_optimizer(), options=ExecutionOptions(method="fast"))
     assert not np.allclose(np.array(model.layers[-1].kernel), kernel)
 
 
@@ -197,7 +216,7 @@ def test_frozen_batch_norm_dropout_and_adapted_normalization_still_train(method)
     stats = [np.array(bn.moving_mean), np.array(bn.moving_variance), np.array(norm.mean)]
     opt = _optimizer()
     kernel = np.array(model.layers[-1].kernel)
-    result = dp_step(model, "mse", X, Y, optimizer=opt, method=method)
+    result = dp_step(model, "mse", X, Y, optimizer=opt, options=ExecutionOptions(method=method))
     assert np.isfinite(float(result.loss))
     assert not np.allclose(np.array(model.layers[-1].kernel), kernel)  # it trained
     after = [np.array(bn.moving_mean), np.array(bn.moving_variance), np.array(norm.mean)]
@@ -206,7 +225,7 @@ def test_frozen_batch_norm_dropout_and_adapted_normalization_still_train(method)
     # Toggling trainable is seen (the cache key holds the flags): the same model is refused now.
     bn.trainable = True
     with pytest.raises(ValueError, match="ok/bn"):
-        dp_step(model, "mse", X, Y, optimizer=opt, method=method)
+        dp_step(model, "mse", X, Y, optimizer=opt, options=ExecutionOptions(method=method))
 
 
 def test_frozen_batch_norm_sum_moves_by_at_most_c_when_one_example_is_removed():
@@ -217,7 +236,9 @@ def test_frozen_batch_norm_sum_moves_by_at_most_c_when_one_example_is_removed():
     big_y = (100.0 * Y).astype("float32")
 
     def clipped_sum(mask):
-        s = engine.summarize(model, "mse", big_x, big_y, mask=mask, method="fast")
+        s = engine.summarize(
+            model, "mse", big_x, big_y, mask=mask, options=ExecutionOptions(method="fast")
+        )
         w = tf.minimum(1.0, 1.0 / tf.sqrt(tf.reduce_sum(s.sq_norms, axis=1) + 1e-30))
         w = tf.tile(w[:, None], [1, len(s.variables)])
         return np.concatenate([np.ravel(g) for g in s.weighted_sum(w)])
@@ -232,7 +253,9 @@ def test_frozen_batch_norm_sum_moves_by_at_most_c_when_one_example_is_removed():
 def test_summarize_with_training_false_accepts_keras_batch_norm():
     model = _bn_model()
     before = _snapshot(model)
-    summary = engine.summarize(model, "mse", X, Y, training=False, method="vectorized")
+    summary = engine.summarize(
+        model, "mse", X, Y, options=ExecutionOptions(training=False, method="vectorized")
+    )
     assert summary.sq_norms.shape[0] == 4
     _assert_unchanged(model, before)
 

@@ -38,10 +38,10 @@ from dpcore.engine.summary import (
 )
 from dpcore.engine.vectorized import materialize, vectorized_summary
 from dpcore.losses import per_example_loss_fn
-
-METHODS = ("auto", "vectorized", "fast")
+from dpcore.options import METHODS, ExecutionOptions, resolve
 
 __all__ = [
+    "ExecutionOptions",
     "GradientSummary",
     "METHODS",
     "per_example_gradients",
@@ -68,11 +68,7 @@ def summarize(
     sample_weight: Any = None,
     mask: Any = None,
     variables: Sequence[Any] | None = None,
-    method: str = "auto",
-    training: bool = True,
-    chunk_size: int | None = None,
-    wrt_inputs: bool = False,
-    nonfinite: str = "raise",
+    options: ExecutionOptions | None = None,
 ) -> GradientSummary:
     """Per-example gradient summary of one batch (call inside a compiled step).
 
@@ -82,75 +78,50 @@ def summarize(
       x: inputs with a leading batch axis (tensor or nested structure).
       y: labels.
       sample_weight: optional ``[B]`` weights multiplying each example's loss.
-      mask: optional ``[B]``; 0/False marks padding examples, which contribute nothing.
+      mask: optional ``[B]`` 0/1 (or bool); 0 marks padding examples, which contribute nothing.
       variables: defaults to ``model.trainable_variables``.
-      method: ``"auto"``, ``"vectorized"`` or ``"fast"``.
-      training: passed to the model call (dropout etc.).
-      chunk_size: vectorized path only: examples per chunk, bounding peak memory.
-      wrt_inputs: also compute per-example gradients w.r.t. the inputs, in the same step.
-      nonfinite: ``"raise"`` or ``"skip"`` examples whose inputs, labels or sample weights hold
-        NaN/Inf, or whose loss or gradient is NaN/Inf although the inputs are finite (see
-        :func:`~dpcore.engine.summary.drop_nonfinite`).
+      options: how to compute (:class:`dpcore.ExecutionOptions`: engine path, training mode,
+        chunking, non-finite handling, input gradients, layer rules); defaults when None.
 
     Returns:
       A :class:`GradientSummary`.
 
     Raises:
-      ValueError: for an unknown method, a model without trainable variables, a scalar loss or a
-        batch-size mismatch.
+      ValueError: for a model without trainable variables, a scalar loss or a batch-size
+        mismatch; TypeError for options that are not an ``ExecutionOptions``.
 
     Privacy:
       Every per-example quantity depends on one example only; masked and skipped examples have
-      zero norm and zero weight.
+      zero norm and zero weight. The model is validated (:func:`dpcore.validation.check_model`).
     """
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}; expected one of {METHODS}.")
+    options = resolve(options)
     variables = check_variables(model.trainable_variables if variables is None else variables)
     loss_fn = per_example_loss_fn(loss)
     requested = tf.reduce_sum(
         tf.ones([batch_size_of(x)], tf.float32)
         if mask is None
-        else tf.cast(tf.reshape(mask, [-1]) != 0, tf.float32)
+        else tf.cast(tf.cast(tf.reshape(mask, [-1]), tf.float32) != 0, tf.float32)
     )
-    x, y, sample_weight, mask = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
-    validation.check_model(model, x, training=training, require_variables=False)
-    use_fast = method == "fast" or (
-        method == "auto" and chunk_size is None and _fast_available(model)
+    x, y, sample_weight, mask = prepare_batch(
+        x, y, sample_weight, mask, nonfinite=options.nonfinite
     )
+    validation.check_model(model, x, training=options.training, require_variables=False)
+    use_fast = options.method == "fast" or (
+        options.method == "auto" and options.chunk_size is None and _fast_available(model)
+    )
+    if use_fast:
+        from dpcore.engine.ghost import fast_summary as path
+    else:
+        path = vectorized_summary
 
     def run(x: Any, y: Any, sample_weight: tf.Tensor, mask: tf.Tensor) -> GradientSummary:
-        if use_fast:
-            from dpcore.engine.ghost import fast_summary
-
-            return fast_summary(
-                model,
-                loss_fn,
-                x,
-                y,
-                sample_weight,
-                mask,
-                variables,
-                training=training,
-                wrt_inputs=wrt_inputs,
-            )
-        return vectorized_summary(
-            model,
-            loss_fn,
-            x,
-            y,
-            sample_weight,
-            mask,
-            variables,
-            training=training,
-            chunk_size=chunk_size,
-            wrt_inputs=wrt_inputs,
-        )
+        return path(model, loss_fn, x, y, sample_weight, mask, variables, options=options)
 
     def recompute(keep: tf.Tensor) -> GradientSummary:
         # The batch without its non-finite rows, exactly as prepare_batch drops a padding row.
         return run(*drop_rows(x, y, sample_weight, mask, keep))
 
-    summary = drop_nonfinite(run(x, y, sample_weight, mask), recompute, nonfinite=nonfinite)
+    summary = drop_nonfinite(run(x, y, sample_weight, mask), recompute, nonfinite=options.nonfinite)
     return dataclasses.replace(summary, num_skipped=requested - tf.reduce_sum(summary.mask))
 
 
@@ -186,12 +157,14 @@ def per_example_gradients(
     sample_weight: Any = None,
     mask: Any = None,
     variables: Sequence[Any] | None = None,
-    training: bool = False,
-    wrt_inputs: bool = False,
-    chunk_size: int | None = None,
-    nonfinite: str = "raise",
+    options: ExecutionOptions | None = None,
 ) -> Any:
     """Per-example gradients, one ``[B, *var.shape]`` tensor per variable.
+
+    Always by the vectorized path (they are materialized by definition); ``options.chunk_size``
+    computes them that many examples at a time (bounding the memory of the intermediate
+    per-example activations; the result is still ``[B, ...]``), and ``options.wrt_inputs`` also
+    returns gradients w.r.t. the inputs from the same compiled step.
 
     Args:
       model: any Keras model.
@@ -201,53 +174,32 @@ def per_example_gradients(
       sample_weight: optional ``[B]`` weights.
       mask: optional ``[B]`` padding mask (masked rows are all-zero).
       variables: defaults to ``model.trainable_variables``.
-      training: passed to the model call.
-      wrt_inputs: if True, return ``(weight_grads, input_grads)`` where ``input_grads`` has the
-        structure of ``x`` (None for non-floating leaves), computed in the same compiled step.
-      chunk_size: compute the gradients this many examples at a time (bounds the memory of the
-        intermediate per-example activations; the result is still ``[B, ...]``).
-      nonfinite: ``"raise"`` or ``"skip"`` (see :func:`summarize`).
+      options: :class:`dpcore.ExecutionOptions` (``method`` and ``registry`` are not used).
 
     Returns:
-      A list of per-example gradients, or ``(list, input_grads)`` with ``wrt_inputs``.
+      A list of per-example gradients, or ``(list, input_grads)`` with ``options.wrt_inputs``,
+      where ``input_grads`` has the structure of ``x`` (None for non-floating leaves).
 
     Privacy:
       Returns unclipped per-example gradients: sensitive data. Clip and noise them before release.
     """
+    options = resolve(options)
     variables = check_variables(model.trainable_variables if variables is None else variables)
     loss_fn = per_example_loss_fn(loss)
 
     def build(x, y, sample_weight, mask):
-        xp, yp, sw, mk = prepare_batch(x, y, sample_weight, mask, nonfinite=nonfinite)
-        validation.check_model(model, xp, training=training, require_variables=False)
+        xp, yp, sw, mk = prepare_batch(x, y, sample_weight, mask, nonfinite=options.nonfinite)
+        validation.check_model(model, xp, training=options.training, require_variables=False)
         grads, in_grads, _, _ = materialize(
-            model,
-            loss_fn,
-            xp,
-            yp,
-            sw * mk,
-            variables,
-            training=training,
-            wrt_inputs=wrt_inputs,
-            chunk_size=chunk_size,
+            model, loss_fn, xp, yp, sw * mk, variables, options=options
         )
-        if not wrt_inputs:
+        if not options.wrt_inputs:
             return grads
         it = iter(in_grads)
         leaves = [next(it) if t.dtype.is_floating else None for t in tf.nest.flatten(xp)]
         return grads, tf.nest.pack_sequence_as(xp, leaves)
 
-    key = (
-        "grads",
-        chunk_size,
-        id(loss),
-        tuple(id(v) for v in variables),
-        training,
-        wrt_inputs,
-        nonfinite,
-        sample_weight is None,
-        mask is None,
-    )
+    key = _key("grads", loss, variables, options, sample_weight, mask)
     return _run(model, key, build, x, y, sample_weight, mask)
 
 
@@ -260,9 +212,7 @@ def per_example_norms(
     sample_weight: Any = None,
     mask: Any = None,
     variables: Sequence[Any] | None = None,
-    training: bool = False,
-    method: str = "auto",
-    nonfinite: str = "raise",
+    options: ExecutionOptions | None = None,
 ) -> tf.Tensor:
     """Per-example global L2 gradient norms, shape ``[B]`` (0 for masked examples).
 
@@ -276,6 +226,7 @@ def per_example_norms(
     Privacy:
       Unclipped norms are sensitive: do not release them without privatization.
     """
+    options = resolve(options)
     variables = check_variables(model.trainable_variables if variables is None else variables)
 
     def build(x, y, sample_weight, mask):
@@ -287,23 +238,23 @@ def per_example_norms(
             sample_weight=sample_weight,
             mask=mask,
             variables=variables,
-            method=method,
-            training=training,
-            nonfinite=nonfinite,
+            options=options,
         )
         norms = tf.sqrt(tf.reduce_sum(s.sq_norms, axis=1))
         # float32, rounded up: still an upper bound of the gradient's norm.
         n32 = tf.cast(norms, tf.float32)
         return tf.where(tf.cast(n32, tf.float64) < norms, tf.math.nextafter(n32, np.inf), n32)
 
-    key = (
-        "norms",
+    key = _key("norms", loss, variables, options, sample_weight, mask)
+    return _run(model, key, build, x, y, sample_weight, mask)
+
+
+def _key(kind: str, loss: Any, variables: Sequence[Any], options: ExecutionOptions, *opt) -> tuple:
+    """Cache key of a compiled eager entry point: what changes the traced program."""
+    return (
+        kind,
         id(loss),
         tuple(id(v) for v in variables),
-        training,
-        method,
-        nonfinite,
-        sample_weight is None,
-        mask is None,
+        options.cache_key,
+        *(a is None for a in opt),
     )
-    return _run(model, key, build, x, y, sample_weight, mask)

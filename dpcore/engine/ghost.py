@@ -37,6 +37,7 @@ from dpcore.engine.registry import (
     lookup,
 )
 from dpcore.engine.summary import GradientSummary, check_variables, weighted_loss
+from dpcore.options import ExecutionOptions, resolve
 from dpcore.rules import linear
 
 __all__ = ["fast_summary", "supports", "fallback_reason"]
@@ -227,9 +228,7 @@ def fast_summary(
     mask: tf.Tensor,
     variables: Sequence[Any],
     *,
-    training: bool = True,
-    wrt_inputs: bool = False,
-    registry: Registry | None = None,
+    options: ExecutionOptions | None = None,
 ) -> GradientSummary:
     """Per-example gradient summary from per-layer rules (ghost norms, book-keeping sums).
 
@@ -242,9 +241,9 @@ def fast_summary(
       sample_weight: ``[B]`` float32.
       mask: ``[B]`` float32 (0 for padding).
       variables: variables to differentiate.
-      training: passed to every layer call.
-      wrt_inputs: also return per-example gradients w.r.t. the floating inputs (same pass).
-      registry: layer rules (default :func:`~dpcore.engine.registry.default_registry`).
+      options: ``training`` (passed to every layer call), ``wrt_inputs`` (also per-example
+        gradients w.r.t. the floating inputs, same pass) and ``registry`` (layer rules, default
+        :func:`~dpcore.engine.registry.default_registry`) are used.
 
     Returns:
       A :class:`GradientSummary` whose ``paths`` maps each differentiated layer's name to its
@@ -255,6 +254,8 @@ def fast_summary(
       Row ``i`` of every per-example quantity depends on example ``i`` alone (layers must not mix
       examples, see :mod:`dpcore.validation`); masked examples get zero norm and weight.
     """
+    options = resolve(options)
+    training, wrt_inputs, registry = options.training, options.wrt_inputs, options.registry
     variables = check_variables(variables)
 
     def whole_model_fallback(reason: str) -> GradientSummary:
@@ -267,15 +268,7 @@ def fast_summary(
             stacklevel=3,
         )
         return vectorized_summary(
-            model,
-            loss_fn,
-            x,
-            y,
-            sample_weight,
-            mask,
-            variables,
-            training=training,
-            wrt_inputs=wrt_inputs,
+            model, loss_fn, x, y, sample_weight, mask, variables, options=options
         )
 
     reason = fallback_reason(model, variables)

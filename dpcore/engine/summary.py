@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-NONFINITE_MODES = ("raise", "skip")
+from dpcore.options import NONFINITE_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,7 @@ def prepare_batch(
             tf.reduce_all(finite | (mask <= 0)),
             [
                 "dpcore: NaN or Inf in the batch inputs, labels or sample weights; pass "
-                "nonfinite='skip' to drop such examples instead"
+                "ExecutionOptions(nonfinite='skip') to drop such examples instead"
             ],
         )
         # Everything downstream (and so every weight update) depends on the check having passed.
@@ -222,7 +222,7 @@ def drop_nonfinite(
             [
                 "dpcore: the loss or the gradient of an example is NaN/Inf although its inputs "
                 "are finite (e.g. log(0) in the loss, or activations that overflow float32); "
-                "the step was not applied. Make the loss finite, or pass nonfinite='skip' to "
+                "the step was not applied. Make the loss finite, or pass ExecutionOptions(nonfinite='skip') to "
                 "drop such examples"
             ],
         )

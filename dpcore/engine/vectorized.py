@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from dpcore import norms
 from dpcore.engine.summary import GradientSummary, weighted_loss
+from dpcore.options import ExecutionOptions, resolve
 
 _WARNED: weakref.WeakSet = weakref.WeakSet()
 
@@ -109,11 +110,11 @@ def materialize(
     weights: tf.Tensor,
     variables: Sequence[Any],
     *,
-    training: bool,
-    wrt_inputs: bool = False,
-    chunk_size: int | None = None,
+    options: ExecutionOptions | None = None,
 ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
     """Per-example gradients ``[B, *var.shape]`` of ``weights[i] * loss_i``.
+
+    Uses ``options.training``, ``options.wrt_inputs`` and ``options.chunk_size``.
 
     Returns:
       ``(weight_grads, input_grads, per_example_loss, y_pred)``; ``input_grads`` holds one
@@ -122,10 +123,11 @@ def materialize(
     Privacy:
       Materializes every example's gradient; callers must clip before aggregating.
     """
+    options = resolve(options)
+    training, wrt_inputs, chunk_size = options.training, options.wrt_inputs, options.chunk_size
     fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=wrt_inputs)
     if chunk_size is None:
         return _map(fn, (x, y, weights), model)
-    chunk_size = _check_chunk_size(chunk_size)
     b = tf.shape(weights)[0]
     chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
 
@@ -136,12 +138,6 @@ def materialize(
         per_chunk, chunks, fn_output_signature=_signature(per_chunk, chunks), parallel_iterations=1
     )
     return tf.nest.map_structure(lambda t: _unchunk(t, b), out)
-
-
-def _check_chunk_size(chunk_size: int) -> int:
-    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or int(chunk_size) <= 0:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
-    return int(chunk_size)
 
 
 def _unchunk(t: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -201,9 +197,7 @@ def vectorized_summary(
     mask: tf.Tensor,
     variables: Sequence[Any],
     *,
-    training: bool = True,
-    chunk_size: int | None = None,
-    wrt_inputs: bool = False,
+    options: ExecutionOptions | None = None,
 ) -> GradientSummary:
     """Per-example gradient summary by vectorized per-example backward passes.
 
@@ -215,9 +209,8 @@ def vectorized_summary(
       sample_weight: ``[B]`` float32.
       mask: ``[B]`` float32 (0 for padding).
       variables: variables to differentiate.
-      training: passed to the model call.
-      chunk_size: process the batch this many examples at a time (bounded memory, two passes).
-      wrt_inputs: also return per-example gradients w.r.t. floating inputs (not with chunking).
+      options: ``training``, ``chunk_size`` (batch processed this many examples at a time: bounded
+        memory, two passes) and ``wrt_inputs`` (also per-example input gradients) are used.
 
     Returns:
       A :class:`GradientSummary`.
@@ -225,18 +218,17 @@ def vectorized_summary(
     Privacy:
       Each example's gradient is computed from that example alone; masked examples get weight 0.
     """
+    options = resolve(options)
+    training, wrt_inputs, chunk_size = options.training, options.wrt_inputs, options.chunk_size
     weights = sample_weight * mask
-    if chunk_size is not None:
-        chunk_size = _check_chunk_size(chunk_size)
-        if wrt_inputs:
-            raise ValueError("wrt_inputs=True is not supported together with chunk_size.")
+    if chunk_size is not None:  # validated by ExecutionOptions (positive; no wrt_inputs)
         sq, loss, y_pred, weighted_sum = _chunked_summary(
             model, loss_fn, x, y, weights, variables, training=training, chunk_size=chunk_size
         )
         input_grads = None
     else:
         grads, in_grads, loss, y_pred = materialize(
-            model, loss_fn, x, y, weights, variables, training=training, wrt_inputs=wrt_inputs
+            model, loss_fn, x, y, weights, variables, options=options.replace(chunk_size=None)
         )
         sq = _flat_sq_norms(grads)
 

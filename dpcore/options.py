@@ -1,0 +1,104 @@
+"""Execution options: how a DP step computes, kept apart from what it privatizes.
+
+Contract: :class:`ExecutionOptions` is one frozen object built once and handed to every stage
+that computes per-example quantities (:func:`dpcore.engine.summarize`,
+:func:`dpcore.engine.per_example_gradients`, :func:`dpcore.engine.per_example_norms`,
+:func:`dpcore.step.dp_step`, :class:`dpcore.DPModel`). It holds execution choices only (engine
+path, training mode, memory chunking, non-finite handling, input gradients, layer rules); the
+privacy parameters (``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size``) belong to
+the :class:`dpcore.DPOptimizer` and :class:`dpcore.DPConfig`. No option changes the privacy
+guarantee: every path clips each example with a certified norm bound. Each option has exactly one
+default, defined here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+METHODS = ("auto", "vectorized", "fast")
+NONFINITE_MODES = ("raise", "skip")
+
+__all__ = ["METHODS", "NONFINITE_MODES", "ExecutionOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionOptions:
+    """How the engine and the DP step run (never what they privatize).
+
+    Attributes:
+      method: ``"auto"`` (the fast per-layer rules for Sequential/Functional models, vectorized
+        otherwise), ``"fast"`` or ``"vectorized"``.
+      training: passed to every model call. True by default everywhere, since per-example
+        gradients are training gradients (dropout on, BatchNormalization refused unless frozen);
+        pass False to differentiate the inference-mode model.
+      chunk_size: vectorized path only: examples per chunk, bounding peak memory (two passes: norms,
+        then the clipped sum). None processes the batch at once; with ``method="auto"`` a chunk
+        size selects the vectorized path.
+      nonfinite: ``"raise"`` fails the step on an example with NaN/Inf inputs, labels, sample
+        weight, loss or gradient; ``"skip"`` drops such examples (zero contribution, counted).
+      wrt_inputs: also compute per-example gradients w.r.t. the floating inputs, in the same step.
+      registry: fast-path layer rules (``{layer class: LayerRule}``); None uses
+        :func:`dpcore.rules.default_registry`. Extend it with ``{**default_registry(), MyLayer:
+        my_rule}``.
+    """
+
+    method: str = "auto"
+    training: bool = True
+    chunk_size: int | None = None
+    nonfinite: str = "raise"
+    wrt_inputs: bool = False
+    registry: Mapping[type, Any] | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}; expected one of {METHODS}.")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of {NONFINITE_MODES}.")
+        if not isinstance(self.training, bool):
+            raise TypeError(f"training must be a bool, got {self.training!r}.")
+        if not isinstance(self.wrt_inputs, bool):
+            raise TypeError(f"wrt_inputs must be a bool, got {self.wrt_inputs!r}.")
+        c = self.chunk_size
+        if c is not None and (isinstance(c, bool) or int(c) != c or int(c) <= 0):
+            raise ValueError(f"chunk_size must be a positive integer or None, got {c!r}.")
+        if self.chunk_size is not None and self.method == "fast":
+            raise ValueError(
+                "chunk_size bounds the vectorized path's memory; the fast path never materializes "
+                "per-example gradients. Use method='vectorized' (or 'auto') with chunk_size."
+            )
+        if self.chunk_size is not None and self.wrt_inputs:
+            raise ValueError("wrt_inputs=True is not supported together with chunk_size.")
+        if self.registry is not None and not isinstance(self.registry, Mapping):
+            raise TypeError(
+                f"registry must be a mapping {{layer class: LayerRule}}, got {self.registry!r}."
+            )
+
+    def replace(self, **changes: Any) -> ExecutionOptions:
+        """A copy with some options changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def cache_key(self) -> tuple:
+        """A hashable identity for compiled-function caches (the registry by identity)."""
+        return (
+            self.method,
+            self.training,
+            self.chunk_size,
+            self.nonfinite,
+            self.wrt_inputs,
+            None if self.registry is None else id(self.registry),
+        )
+
+
+def resolve(options: ExecutionOptions | None) -> ExecutionOptions:
+    """``options``, or the defaults; refuses anything that is not an :class:`ExecutionOptions`."""
+    if options is None:
+        return ExecutionOptions()
+    if not isinstance(options, ExecutionOptions):
+        raise TypeError(
+            f"options must be a dpcore.ExecutionOptions, got {type(options).__name__}: e.g. "
+            "dpcore.ExecutionOptions(method='fast', nonfinite='skip')."
+        )
+    return options

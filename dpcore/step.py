@@ -1,0 +1,162 @@
+"""The DP step, written once: engine -> clip -> accumulate/noise -> apply.
+
+Contract: :func:`dp_step` is the only place that composes the stages of DP-SGD:
+
+1. :func:`dpcore.engine.summarize` validates the model and turns the batch into per-example
+   certified norm bounds and a weighted-sum function, as ``options`` say
+   (:class:`dpcore.ExecutionOptions`);
+2. :meth:`dpcore.DPOptimizer.clip` clips every example with the optimizer's own bound(s) into a
+   :class:`~dpcore.aggregation.ClippedSum` of known sensitivity;
+3. :meth:`dpcore.DPOptimizer.apply_clipped_sum` accumulates it and, at the end of the logical step,
+   adds the noise once, normalizes by ``expected_batch_size`` and applies the update.
+
+:class:`dpcore.DPModel` (``fit``) and custom loops (:func:`dp_train_step`) both call it, inside a
+compiled step that traces once. Everything it returns besides the update is computed from the raw
+batch and is not private.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+
+from dpcore import engine
+from dpcore.optimizer import DPOptimizer
+from dpcore.options import ExecutionOptions, resolve
+
+__all__ = ["DPStepResult", "dp_step", "dp_train_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DPStepResult:
+    """What one DP step computed (all non-private diagnostics of the batch).
+
+    Attributes:
+      loss: mean per-example loss over the real (unmasked) examples, before the update.
+      per_example_loss: ``[B]``, zero where masked.
+      y_pred: the model's output on the batch.
+      mask: ``[B]`` float32, 0 for padding or skipped examples.
+      num_examples: realized number of real examples.
+      per_example_norms: ``[B]`` unclipped gradient norms (zero where masked).
+      input_gradients: per-example gradients w.r.t. the inputs, or None.
+      num_skipped: real examples dropped by ``nonfinite="skip"`` (non-finite inputs, labels,
+        weights, loss or gradient); always 0 with ``"raise"``.
+    """
+
+    loss: tf.Tensor
+    per_example_loss: tf.Tensor
+    y_pred: Any
+    mask: tf.Tensor
+    num_examples: tf.Tensor
+    per_example_norms: tf.Tensor
+    input_gradients: Any = None
+    num_skipped: Any = 0.0
+
+
+def dp_step(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    optimizer: DPOptimizer,
+    sample_weight: Any = None,
+    mask: Any = None,
+    step_end: Any = None,
+    options: ExecutionOptions | None = None,
+) -> DPStepResult:
+    """One DP-SGD (micro-)step: per-example gradients, clipping, noise, update.
+
+    Same arguments as :func:`dp_train_step`; returns a :class:`DPStepResult`.
+
+    Privacy:
+      Only the model update is privatized. Everything in the returned result (loss, predictions,
+      norms, input gradients) is computed from the raw batch and is not private.
+    """
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"optimizer must be a dpcore.DPOptimizer, got {type(optimizer).__name__}: wrap it, "
+            "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
+            "noise_multiplier=..., expected_batch_size=...)."
+        )
+    summary = engine.summarize(
+        model,
+        loss,
+        x,
+        y,
+        sample_weight=sample_weight,
+        mask=mask,
+        variables=list(model.trainable_variables),
+        options=resolve(options),
+    )
+    clipped = optimizer.clip(summary)
+    optimizer.apply_clipped_sum(clipped, summary.variables, step_end=step_end)
+    num = tf.reduce_sum(summary.mask)
+    mean_loss = tf.reduce_sum(tf.cast(summary.per_example_loss, tf.float32)) / tf.maximum(num, 1.0)
+    return DPStepResult(
+        loss=mean_loss,
+        per_example_loss=summary.per_example_loss,
+        y_pred=summary.y_pred,
+        mask=summary.mask,
+        num_examples=num,
+        per_example_norms=clipped.per_example_norms,
+        input_gradients=summary.input_gradients,
+        num_skipped=summary.num_skipped,
+    )
+
+
+def dp_train_step(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    optimizer: DPOptimizer,
+    sample_weight: Any = None,
+    mask: Any = None,
+    step_end: Any = None,
+    options: ExecutionOptions | None = None,
+) -> Any:
+    """The custom-training-loop DP step; call it inside your ``tf.function``.
+
+    Computes per-example gradients of ``loss`` (one compiled program, no retrace per step), clips
+    each to ``optimizer.l2_norm_clip``, and lets ``optimizer`` accumulate, noise and apply them.
+
+    Args:
+      model: a built Keras model.
+      loss: a per-example loss (``reduction=None``, shape ``[B]``) or a Keras loss/name.
+      x: inputs with a leading batch axis.
+      y: labels.
+      optimizer: the :class:`~dpcore.DPOptimizer` (privacy parameters and DP state).
+      sample_weight: optional ``[B]`` loss weights.
+      mask: optional ``[B]`` 0/1; 0 marks padding (the sampler's mask). An all-masked or empty
+        batch is a valid step: noise only.
+      step_end: optional bool: True on the last chunk of a logical step (the sampler's flag).
+      options: how to compute (:class:`dpcore.ExecutionOptions`: engine path, training mode,
+        chunking, non-finite handling, input gradients, layer rules); defaults when None.
+
+    Returns:
+      The mean per-example loss of the real examples, or ``(loss, input_gradients)`` with
+      ``options.wrt_inputs``.
+
+    Privacy:
+      The model update is (σ, C)-Gaussian-privatized per logical step. The returned loss and input
+      gradients come from the raw batch and are not private: do not release them.
+    """
+    options = resolve(options)
+    result = dp_step(
+        model,
+        loss,
+        x,
+        y,
+        optimizer=optimizer,
+        sample_weight=sample_weight,
+        mask=mask,
+        step_end=step_end,
+        options=options,
+    )
+    if options.wrt_inputs:
+        return result.loss, result.input_gradients
+    return result.loss
