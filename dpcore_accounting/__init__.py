@@ -13,6 +13,9 @@ Contract:
     `PrivacyLedger` records those events as training runs and round-trips through JSON;
     `calibrate_noise_multiplier` / `calibrate_steps` never return a value that exceeds the
     target. `DPConfig` is the frozen description of a run from which the event is derived.
+  * RDP accountants made here (`make_accountant("rdp")`, used by every entry point) drop
+    dp-accounting's "failed to converge" warnings, one per fractional order it leaves out of
+    the minimum (ε stays a sound bound), only while they compose; other warnings pass.
 """
 
 from dpcore_accounting.calibration import (

@@ -24,7 +24,9 @@ import math
 from typing import Any
 
 import dp_accounting
-from dp_accounting import pld, rdp
+from dp_accounting import pld
+
+from dpcore_accounting._rdp import QuietRdpAccountant
 
 __all__ = [
     "ACCOUNTANTS",
@@ -215,6 +217,10 @@ def make_accountant(
     discretization is pessimistic, so a coarser interval (e.g. 1e-3, ~10x faster) still gives
     an upper bound on ε, just a slightly larger one.
 
+    The RDP accountant is dp-accounting's `RdpAccountant` that drops its "failed to converge"
+    warnings (one per fractional order it excludes) while composing; see
+    `dpcore_accounting._rdp`.
+
     Raises:
       ValueError: unknown accountant or neighboring relation, or RDP with `"replace_one"`
         (unsupported by dp-accounting's RDP accountant for DP-SGD events).
@@ -232,7 +238,7 @@ def make_accountant(
             f"accountant='rdp' supports only neighboring='add_remove' for DP-SGD events, got "
             f"neighboring={neighboring!r}; use accountant='pld' for replace-one adjacency."
         )
-    return rdp.RdpAccountant(neighboring_relation=relation)
+    return QuietRdpAccountant(neighboring_relation=relation)
 
 
 def _composed(

@@ -1,6 +1,9 @@
 """dpcore.accounting: events, ε/δ, calibration and the ledger against dp-accounting itself."""
 
 import math
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import dp_accounting
@@ -416,3 +419,39 @@ def test_ledger_rejects_bad_records_and_warns_on_large_delta():
         ledger.epsilon(1e-5, "rdp")
     with pytest.raises(ValueError, match="ledger"):
         acc.PrivacyLedger.from_json('{"format": "other"}')
+
+
+def test_rdp_convergence_warnings_of_dp_accounting_are_dropped_only_inside_dpcore():
+    """The digits main job's q ≈ 0.089, σ = 1 makes dp-accounting warn per fractional order.
+
+    In a fresh process: dpcore's RDP ε prints nothing to stderr and equals dp-accounting's own
+    figure; a plain dp-accounting call afterwards still warns (the filter was scoped).
+    """
+    code = textwrap.dedent(
+        """
+        import sys
+        from dp_accounting import rdp
+        import dpcore_accounting as acc
+
+        event = acc.poisson_event(noise_multiplier=1.0, sampling_prob=128 / 1438, steps=113)
+        ours = acc.compute_epsilon(event, target_delta=1e-5, accountant="rdp")
+        config = acc.DPConfig(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=128,
+                              num_examples=1438, steps=113)
+        sigma = acc.calibrate_noise_multiplier(target_epsilon=8.0, target_delta=1e-5,
+                                               sampling_prob=128 / 1438, steps=113,
+                                               accountant="rdp")
+        print(config.epsilon("rdp") == ours, sigma > 0)
+        print("--- direct dp-accounting call ---", file=sys.stderr, flush=True)
+        direct = rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+        print(repr(ours), repr(float(direct)))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours_err, _, direct_err = done.stderr.partition("--- direct dp-accounting call ---")
+    assert ours_err.strip() == "", ours_err
+    assert "failed to converge" in direct_err  # the case really warns without the filter
+    checks, values = done.stdout.strip().splitlines()
+    assert checks == "True True"
+    ours, direct = (float(v) for v in values.split())
+    assert ours == direct and 7.0 < ours < 8.0  # value unchanged (7.4415 for this event)
