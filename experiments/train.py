@@ -36,6 +36,11 @@ from typing import Any
 
 import numpy as np
 
+if __name__ == "__main__":  # the main job: no TensorFlow start-up lines that look like failures
+    from dpcore_experiments.tf_startup import import_tensorflow_quietly
+
+    import_tensorflow_quietly()
+
 DATASETS = ("digits", "fashion_mnist", "mnist")
 MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("sgd", "adam")

@@ -1,10 +1,12 @@
-"""Import boundaries: TensorFlow-free accounting, and `import dpcore` enough to load models.
+"""Import boundaries: TensorFlow-free accounting, `import dpcore` enough to load models, and
+experiment binaries that import TensorFlow without its start-up noise.
 
 `dpcore_accounting` must compute ε without importing TensorFlow (the `dpcore-epsilon` CLI relies
 on it); `dpcore/__init__.py` must stay eager, since importing it is what registers DPModel and
 DPOptimizer with Keras for `keras.saving.load_model` in a fresh process.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -90,3 +92,50 @@ def test_saved_dp_model_loads_in_a_fresh_process_after_import_dpcore(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-3:] == ["DPModel", "DPOptimizer", "2"], done.stdout
+
+
+def test_startup_noise_filter_drops_only_known_lines():
+    from dpcore_experiments.tf_startup import is_startup_noise
+
+    noise = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        "I0000 00:00:1796087169.383605   26486 port.cc:153] oneDNN custom operations are on.",
+        "I0000 00:00:1796087169.383914   26486 cudart_stub.cc:31] Could not find cuda drivers on "
+        "your machine, GPU will not be used.",
+        "E0000 00:00:1796087171.388773   26486 cuda_platform.cc:52] failed call to cuInit: "
+        "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+    ]
+    kept = [
+        "E0000 00:00:1796087171.388773   26486 op_kernel.cc:1857] OP_REQUIRES failed",
+        "F1201 01:06:15.743156   26486 check.cc:12] Check failed: x",
+        "Traceback (most recent call last):",
+        "UserWarning: something the user should see",
+    ]
+    assert all(is_startup_noise(line) for line in noise)
+    assert not any(is_startup_noise(line) for line in kept)
+
+
+@pytest.mark.slow
+def test_experiment_binaries_import_tensorflow_without_startup_noise():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")  # as a user runs it
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from dpcore_experiments.tf_startup import import_tensorflow_quietly\n"
+            "tf = import_tensorflow_quietly()\n"
+            "import keras\n"
+            "print(float(tf.constant(1.0) + 1))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "2.0"
+    assert done.stderr == "", done.stderr
