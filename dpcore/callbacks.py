@@ -32,35 +32,33 @@ import warnings
 from typing import Any
 
 import keras
-import numpy as np
 
 from dpcore.accounting import calibration
 from dpcore.accounting import events as ev
 from dpcore.accounting.ledger import PrivacyLedger
 from dpcore.config import DPConfig
+from dpcore.optimizer import DPState, DPStateSource
 from dpcore.sampling import SamplingSpec
 
 __all__ = ["EpsilonCallback", "PrivacyBudgetGuard"]
 
 
-def _optimizer(model: Any) -> Any:
-    return getattr(model, "optimizer", None)
+def _dp_state(model: Any) -> DPState | None:
+    """The model's optimizer's DP state, or None when it exposes none (not a DP optimizer)."""
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer.dp_state if isinstance(optimizer, DPStateSource) else None
 
 
 def _read_dp_steps(model: Any) -> int | None:
-    """The optimizer's applied logical steps (`dp_steps`), or None if it has no such counter."""
-    var = getattr(_optimizer(model), "dp_steps", None)
-    if var is None:
-        return None
-    return int(np.asarray(keras.ops.convert_to_numpy(var)))
+    """The optimizer's applied logical steps, or None when it is not a DPOptimizer."""
+    state = _dp_state(model)
+    return None if state is None else state.dp_steps
 
 
 def _read_pending_micro_steps(model: Any) -> int:
     """Micro-batches already accumulated towards the optimizer's next logical step (0 if none)."""
-    var = getattr(_optimizer(model), "micro_steps", None)
-    if var is None:
-        return 0
-    return int(np.asarray(keras.ops.convert_to_numpy(var)))
+    state = _dp_state(model)
+    return 0 if state is None else state.pending_micro_steps
 
 
 def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
@@ -115,10 +113,8 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
 
 
 def _current_noise(model: Any, default: float) -> float:
-    value = getattr(_optimizer(model), "noise_multiplier", None)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return default
+    state = _dp_state(model)
+    return default if state is None else state.noise_multiplier
 
 
 def _sync_ledger(

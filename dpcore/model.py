@@ -31,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,26 +50,31 @@ __all__ = ["DPModel", "make_private"]
 
 def _unpack(data: Any) -> tuple[Any, Any, Any, Any, Any]:
     """``(x, y, sample_weight, mask, step_end)`` from any accepted batch layout."""
+    batch = sampling.as_sampled_batch(data)
+    if batch is not None:
+        step_end = batch.step_end
+        if step_end.shape.rank == 1:  # per-row copy (multi-replica)
+            step_end = tf.reduce_any(tf.cast(step_end, tf.bool))
+        return batch.x, batch.y, None, batch.mask, step_end
     if isinstance(data, list):
         data = tuple(data)
-    if not isinstance(data, tuple) or len(data) < 2 or data[1] is None:
+    if not isinstance(data, tuple) or len(data) not in (2, 3) or data[1] is None:
         raise ValueError(
             "DP training needs labels: batches must be (x, y), (x, y, sample_weight) or the "
-            "sampler's (x, y, mask, step_end)."
+            "sampler's SampledBatch(x, y, mask, step_end)."
         )
-    if len(data) == 2:
-        return data[0], data[1], None, None, None
-    if len(data) == 3:
-        return data[0], data[1], data[2], None, None
-    if len(data) == 4:
-        step_end = data[3]
-        if step_end is not None and step_end.shape.rank == 1:  # per-row copy (multi-replica)
-            step_end = tf.reduce_any(tf.cast(step_end, tf.bool))
-        return data[0], data[1], None, data[2], step_end
-    raise ValueError(
-        f"batch has {len(data)} elements; expected (x, y), (x, y, sample_weight) or "
-        "(x, y, mask, step_end)."
-    )
+    x, y, sample_weight = (*data, None)[:3]
+    return x, y, sample_weight, None, None
+
+
+def _bind(method: Any, x: Any, y: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Keras ``fit``/``evaluate`` arguments by name, as the signature of ``method`` binds them."""
+    signature = inspect.signature(method)
+    arguments = dict(signature.bind(x, y, *args, **kwargs).arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+    return arguments
 
 
 def _for_replicas(dataset: Any, replicas: int) -> Any:
@@ -81,10 +87,10 @@ def _for_replicas(dataset: Any, replicas: int) -> Any:
     """
     if replicas <= 1 or not isinstance(dataset, tf.data.Dataset):
         return dataset
-    spec = dataset.element_spec
-    if not (isinstance(spec, tuple) and len(spec) == 4 and spec[3].shape.rank == 0):
+    spec = sampling.as_sampled_batch(dataset.element_spec)
+    if spec is None or spec.step_end.shape.rank != 0:
         return dataset
-    rows = spec[2].shape[0]
+    rows = spec.mask.shape[0]
     if rows is None:
         raise ValueError(
             "a (x, y, mask, step_end) dataset under a multi-replica strategy needs a static "
@@ -95,9 +101,9 @@ def _for_replicas(dataset: Any, replicas: int) -> Any:
     def pad(t: tf.Tensor) -> tf.Tensor:
         return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
 
-    def split(x: Any, y: Any, mask: tf.Tensor, end: tf.Tensor) -> tuple[Any, Any, Any, Any]:
+    def split(x: Any, y: Any, mask: tf.Tensor, end: tf.Tensor) -> sampling.SampledBatch:
         x, y, mask = tf.nest.map_structure(pad, (x, y, mask))
-        return x, y, mask, tf.fill(tf.shape(mask), tf.cast(end, tf.float32))
+        return sampling.SampledBatch(x, y, mask, tf.fill(tf.shape(mask), tf.cast(end, tf.float32)))
 
     return dataset.map(split)
 
@@ -208,12 +214,13 @@ class DPModel(keras.Model):
           mid-step) is dropped with a warning when a fit on sampler batches starts: a new pass
           never joins a step of the previous one, so each noised update sums one sample.
         """
+        arguments = _bind(super().fit, x, y, args, kwargs)
+        x = arguments["x"]
         self.sampling_spec = sampling.sampling_spec(x)
         if not isinstance(x, tf.data.Dataset):
             self.data_feed = "arrays"
-            return super().fit(x, y, *args, **kwargs)
-        spec = x.element_spec
-        masked = isinstance(spec, tuple) and len(spec) == 4
+            return super().fit(**arguments)
+        masked = sampling.as_sampled_batch(x.element_spec) is not None
         self.data_feed = "masked_batches" if masked else "dataset"
         if masked:
             self._start_pass_at_step_boundary()
@@ -221,17 +228,17 @@ class DPModel(keras.Model):
                 # Its length counts chunks; Keras counts logical steps here (see
                 # make_train_function), so let the end of the data end the epoch.
                 x = x.filter(lambda *element: True)
-        if len(args) < 7:  # `shuffle` not given positionally
-            kwargs.setdefault("shuffle", False)
+        arguments.setdefault("shuffle", False)
         replicas = self.distribute_strategy.num_replicas_in_sync
-        if "validation_data" in kwargs:
-            kwargs["validation_data"] = _for_replicas(kwargs["validation_data"], replicas)
-        steps_given = kwargs.get("steps_per_epoch") is not None or len(args) >= 11
+        if "validation_data" in arguments:
+            arguments["validation_data"] = _for_replicas(arguments["validation_data"], replicas)
+        steps_given = arguments.get("steps_per_epoch") is not None
         self._build_compiled_state(x)
         self._whole_steps = masked
+        arguments["x"] = _for_replicas(x, replicas)
         try:
             with _quiet_end_of_data(x, steps_given):
-                return super().fit(_for_replicas(x, replicas), y, *args, **kwargs)
+                return super().fit(**arguments)
         finally:
             self._whole_steps = False
 
@@ -302,11 +309,13 @@ class DPModel(keras.Model):
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Keras ``evaluate``; also takes the sampler's datasets (padding rows are ignored),
         under a multi-replica strategy too (see :meth:`fit`)."""
-        steps_given = kwargs.get("steps") is not None or len(args) >= 4
+        arguments = _bind(super().evaluate, x, y, args, kwargs)
+        x = arguments["x"]
+        steps_given = arguments.get("steps") is not None
         self._build_compiled_state(x)
-        replicas = self.distribute_strategy.num_replicas_in_sync
+        arguments["x"] = _for_replicas(x, self.distribute_strategy.num_replicas_in_sync)
         with _quiet_end_of_data(x, steps_given):
-            return super().evaluate(_for_replicas(x, replicas), y, *args, **kwargs)
+            return super().evaluate(**arguments)
 
     def compile(
         self,
@@ -391,14 +400,14 @@ class DPModel(keras.Model):
         """
         if not isinstance(dataset, tf.data.Dataset):
             return
-        spec = dataset.element_spec
-        if not (isinstance(spec, tuple) and len(spec) == 4) or self._per_example_loss is None:
+        spec = sampling.as_sampled_batch(dataset.element_spec)
+        if spec is None or self._per_example_loss is None:
             return
 
         def zero_row(s: tf.TensorSpec) -> tf.Tensor:
             return tf.zeros([1, *s.shape[1:]], s.dtype)
 
-        x0, y0 = tf.nest.map_structure(zero_row, (spec[0], spec[1]))
+        x0, y0 = tf.nest.map_structure(zero_row, (spec.x, spec.y))
         with self.distribute_strategy.scope():
             y_pred = self(x0, training=False)
             self.compute_metrics(x0, y0, y_pred)
@@ -457,8 +466,9 @@ class DPModel(keras.Model):
         return self._metric_results(x, y, y_pred, sample_weight, mask)
 
     def predict_step(self, data: Any) -> Any:
-        if isinstance(data, (tuple, list)) and len(data) == 4:
-            x = data[0]
+        batch = sampling.as_sampled_batch(data)
+        if batch is not None:
+            x = batch.x
         else:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self(x, training=False)

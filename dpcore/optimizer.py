@@ -32,7 +32,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import keras
 import tensorflow as tf
@@ -41,7 +41,7 @@ from dpcore import aggregation
 from dpcore.aggregation import ClippedSum
 from dpcore.engine.summary import GradientSummary
 
-__all__ = ["DPOptimizer"]
+__all__ = ["DPOptimizer", "DPState", "DPStateSource"]
 
 # Base-optimizer arguments that belong on the inner optimizer, with their neutral values.
 _BASE_ARGS = {
@@ -123,6 +123,33 @@ def _check_inner(inner: Any) -> keras.optimizers.Optimizer:
                 stacklevel=3,
             )
     return inner
+
+
+@dataclasses.dataclass(frozen=True)
+class DPState:
+    """The DP state of a :class:`DPOptimizer` at one moment (a read-only snapshot).
+
+    Attributes:
+      dp_steps: logical steps applied so far (each noised once).
+      pending_micro_steps: micro-batches accumulated towards the next logical step, not yet
+        noised or applied.
+      noise_multiplier: σ the next logical step will use.
+    """
+
+    dp_steps: int
+    pending_micro_steps: int
+    noise_multiplier: float
+
+
+@runtime_checkable
+class DPStateSource(Protocol):
+    """What the privacy callbacks read from an optimizer: a :class:`DPState` snapshot.
+
+    :class:`DPOptimizer` implements it; an optimizer of your own that does DP-SGD can too.
+    """
+
+    @property
+    def dp_state(self) -> DPState: ...
 
 
 @keras.saving.register_keras_serializable(package="dpcore")
@@ -230,6 +257,19 @@ class DPOptimizer(keras.optimizers.Optimizer):
             name="noise_multiplier",
         )
         self._accumulators: list[Any] = []
+
+    @property
+    def dp_state(self) -> DPState:
+        """A read-only snapshot of the DP state (what the callbacks account), read eagerly."""
+
+        def read(var: Any) -> Any:
+            return keras.ops.convert_to_numpy(var)
+
+        return DPState(
+            dp_steps=int(read(self.dp_steps)),
+            pending_micro_steps=int(read(self.micro_steps)),
+            noise_multiplier=float(read(self._noise_multiplier)),
+        )
 
     @property
     def noise_multiplier(self) -> float:

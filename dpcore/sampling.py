@@ -5,7 +5,8 @@ Contract:
     N examples is included independently with probability `sampling_prob` (q), with fresh,
     independent randomness per step. This is the sampling scheme that the privacy
     accountant's `PoissonSampledDpEvent` assumes.
-  * Every element of the returned dataset is a 4-tuple `(x_batch, y_batch, mask, step_end)`:
+  * Every element of the returned dataset is a `SampledBatch(x, y, mask, step_end)` (a named
+    tuple):
     `x_batch` / `y_batch` have the structure of `x` / `y` with exactly `padded_batch_size` (P)
     rows (padding rows are zeros), `mask` is float32 `[P]` (1.0 real row, 0.0 padding) and
     `step_end` is a bool scalar that is True on the last chunk of a logical step. All shapes are
@@ -47,12 +48,48 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
+
+class SampledBatch(NamedTuple):
+    """One element of a sampler's dataset: a padded, masked chunk of one logical step.
+
+    Attributes:
+      x: inputs, ``P`` rows (padding rows are zeros).
+      y: labels, ``P`` rows.
+      mask: float32 ``[P]``: 1 for a sampled example, 0 for padding.
+      step_end: bool scalar, True on the last chunk of a logical step.
+    """
+
+    x: Any
+    y: Any
+    mask: Any
+    step_end: Any
+
+
+def as_sampled_batch(data: Any) -> SampledBatch | None:
+    """``data`` (an element or an element spec) as a :class:`SampledBatch`, or None.
+
+    The one place that decides whether a batch is a sampler chunk: a ``SampledBatch``, or a
+    plain 4-tuple ``(x, y, mask, step_end)`` (hand-built datasets, or after a ``.map`` that
+    returned a tuple), whose ``step_end`` is a scalar (or, after multi-replica splitting, one
+    copy per row).
+    """
+    if isinstance(data, SampledBatch):
+        return data
+    if isinstance(data, (tuple, list)) and len(data) == 4 and all(d is not None for d in data):
+        end = data[3]
+        if getattr(end, "shape", None) is not None and end.shape.rank in (0, 1):
+            return SampledBatch(*data)
+    return None
+
+
 __all__ = [
+    "SampledBatch",
+    "as_sampled_batch",
     "SamplingSpec",
     "num_examples",
     "padded_batch_size_for",
@@ -309,7 +346,8 @@ def with_sampling_spec(dataset: tf.data.Dataset, spec: SamplingSpec) -> tf.data.
     """Attaches `spec` to `dataset` (the same object, returned for chaining).
 
     Use it to keep a sampler's spec through a per-element transformation of your own, e.g.
-    `with_sampling_spec(ds.map(augment), sampling_spec(ds))`, or to declare how a pipeline of
+    `with_sampling_spec(ds.map(lambda b: b._replace(x=augment(b.x))), sampling_spec(ds))` (a
+    `SampledBatch` reaches `.map` as one argument), or to declare how a pipeline of
     your own samples.
 
     Args:
@@ -332,12 +370,13 @@ def with_sampling_spec(dataset: tf.data.Dataset, spec: SamplingSpec) -> tf.data.
         raise TypeError(f"dataset must be a tf.data.Dataset, got {type(dataset).__name__}.")
     if not isinstance(spec, SamplingSpec):
         raise TypeError(f"spec must be a dpcore.sampling.SamplingSpec, got {spec!r}.")
-    element = dataset.element_spec
-    ok = isinstance(element, tuple) and len(element) == 4 and element[3].shape.rank == 0
-    if not ok or element[2].shape.as_list() != [spec.padded_batch_size]:
+    element = as_sampled_batch(dataset.element_spec)
+    ok = element is not None and element.step_end.shape.rank == 0
+    if not ok or element.mask.shape.as_list() != [spec.padded_batch_size]:
         raise ValueError(
             f"with_sampling_spec needs (x, y, mask, step_end) elements with a mask of shape "
-            f"[{spec.padded_batch_size}] (the spec's padded_batch_size), got {element}."
+            f"[{spec.padded_batch_size}] (the spec's padded_batch_size), got "
+            f"{dataset.element_spec}."
         )
     dataset.dpcore_sampling_spec = spec
     return dataset
@@ -410,7 +449,7 @@ def _chunked(xs: Any, ys: Any, indices: tf.Tensor, padded_size: int) -> tf.data.
         )
         mask = tf.ensure_shape(mask, [padded_size])
         step_end = tf.equal(c, num_chunks - 1)
-        return (
+        return SampledBatch(
             _gather_padded(xs, sel, padded_size),
             _gather_padded(ys, sel, padded_size),
             mask,

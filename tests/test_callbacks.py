@@ -14,6 +14,7 @@ from dpcore import accounting as acc
 from dpcore.accounting import calibration
 from dpcore.callbacks import EpsilonCallback, PrivacyBudgetGuard
 from dpcore.config import DPConfig
+from dpcore.optimizer import DPState
 
 N, B = 32, 8
 FAST = 1e-3
@@ -44,7 +45,7 @@ def _config(**kw):
 
 class CountingSGD(keras.optimizers.SGD):
     """Stands in for a DP optimizer: exposes `dp_steps` (one logical step per 2 applies)
-    and a Python `noise_multiplier`."""
+    and a Python `noise_multiplier` through `dp_state`."""
 
     def __init__(self, noise_multiplier=2.0, **kw):
         super().__init__(learning_rate=0.01, **kw)
@@ -54,6 +55,14 @@ class CountingSGD(keras.optimizers.SGD):
     def apply(self, grads, trainable_variables=None):
         super().apply(grads, trainable_variables)
         self.dp_steps.assign_add(tf.cast(tf.equal(self.iterations % 2, 0), tf.int64))
+
+    @property
+    def dp_state(self):  # the typed view the callbacks read (dpcore.optimizer.DPStateSource)
+        return DPState(
+            dp_steps=int(self.dp_steps.numpy()),
+            pending_micro_steps=0,
+            noise_multiplier=float(self.noise_multiplier),
+        )
 
 
 def _eps(event, accountant="pld"):

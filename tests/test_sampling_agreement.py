@@ -151,7 +151,7 @@ def test_a_transformed_sampler_dataset_needs_its_spec_back_for_a_poisson_account
     x, y = _data()
     config = _config(expected_batch_size=10)
     ds = sampling.poisson_batches(x, y, sampling_prob=config.sampling_prob, steps=2, seed=0)
-    mapped = ds.map(lambda a, b, m, e: (a * 2.0, b, m, e))
+    mapped = ds.map(lambda batch: batch._replace(x=batch.x * 2.0))
     assert sampling.sampling_spec(mapped) is None
     dp = make_private(_model(), optimizer="sgd", loss=LOSS, config=config, seed=0)
     with pytest.raises(ValueError, match="with_sampling_spec"):
