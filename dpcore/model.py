@@ -127,6 +127,22 @@ def _rows(structure: Any, keep: tf.Tensor) -> Any:
     return tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), structure)
 
 
+class _EndStepsAtEpochs(keras.callbacks.Callback):
+    """Starts every epoch of fixed-size batches at a logical-step boundary (see ``DPModel.fit``).
+
+    Privacy:
+      The micro-batches of one noised update then come from one pass over the data, so no example
+      is in two of them; the dropped micro-batches were never released.
+    """
+
+    def __init__(self, dp_model: DPModel) -> None:
+        super().__init__()
+        self._dp_model = dp_model
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._dp_model._end_open_step_at_epoch()
+
+
 @keras.saving.register_keras_serializable(package="dpcore")
 class DPModel(keras.Model):
     """A Keras model that trains its wrapped model with DP-SGD under ``fit``.
@@ -217,10 +233,17 @@ class DPModel(keras.Model):
         arguments = _bind(super().fit, x, y, args, kwargs)
         x = arguments["x"]
         self.sampling_spec = sampling.sampling_spec(x)
+        masked = (
+            isinstance(x, tf.data.Dataset) and sampling.as_sampled_batch(x.element_spec) is not None
+        )
+        if not masked:
+            # Fixed-size batches with accumulation: a logical step must not span two epochs
+            # (Keras reshuffles arrays between them, so one example could be in both parts).
+            callbacks = list(arguments.get("callbacks") or [])
+            arguments["callbacks"] = [_EndStepsAtEpochs(self), *callbacks]
         if not isinstance(x, tf.data.Dataset):
             self.data_feed = "arrays"
             return super().fit(**arguments)
-        masked = sampling.as_sampled_batch(x.element_spec) is not None
         self.data_feed = "masked_batches" if masked else "dataset"
         if masked:
             self._start_pass_at_step_boundary()
@@ -264,6 +287,23 @@ class DPModel(keras.Model):
                 "start_step=int(optimizer.dp_steps)) to draw that step again.",
                 UserWarning,
                 stacklevel=3,
+            )
+
+    def _end_open_step_at_epoch(self) -> None:
+        """Drops micro-batches of a logical step left open by the previous epoch (with a warning)."""
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, DPOptimizer):
+            return
+        dropped = optimizer.discard_open_step()
+        if dropped:
+            warnings.warn(
+                f"dpcore: {dropped} micro-batch(es) of the previous epoch did not complete a "
+                f"logical step of accumulation_steps={optimizer.accumulation_steps}; they were "
+                "dropped (nothing of them was released), since a step spanning two epochs could "
+                "hold one example twice. Make the batches per epoch a multiple of "
+                "accumulation_steps to use every batch.",
+                UserWarning,
+                stacklevel=2,
             )
 
     def make_train_function(self, force: bool = False) -> Any:

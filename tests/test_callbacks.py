@@ -282,8 +282,9 @@ def test_sigma_schedule_with_a_dp_optimizer_is_recorded_as_it_ran():
 
 
 def test_guard_counts_micro_batches_carried_over_between_epochs():
-    """accumulation_steps=2 with 3 micro-batches per epoch: a logical step spans two epochs;
-    the guard must still stop before the budget's step count is passed."""
+    """accumulation_steps=2 with 3 micro-batches per epoch: the odd micro-batch of each epoch is
+    dropped (a step never spans two epochs); the guard must still stop before the budget's step
+    count is passed."""
     import dataclasses
 
     import dpcore

@@ -344,3 +344,33 @@ def test_steps_per_epoch_counts_logical_steps_with_sampler_batches():
         dp.fit(_overflowing_sampler(steps=6), steps_per_epoch=2, epochs=3, verbose=0)
     assert int(dp.optimizer.dp_steps) == 6
     assert int(dp.optimizer.micro_steps) == 0
+
+
+def test_fixed_size_batches_never_carry_a_step_into_the_next_epoch():
+    """Arrays with accumulation_steps=2 and 3 batches per epoch: Keras reshuffles between
+    epochs, so the odd micro-batch must not join the next epoch's first step (an example could
+    then be in two micro-batches of one noised update)."""
+    n, micro = 30, 10
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    dp = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        l2_norm_clip=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=2 * micro,
+        accumulation_steps=2,
+        seed=0,
+    )
+    pending = []
+    probe = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs=None: pending.append(
+            dp.optimizer.dp_state.pending_micro_steps
+        )
+    )
+    rng = np.random.default_rng(0)
+    x, y = rng.random((n, 5), dtype=np.float32), rng.random((n, 1), dtype=np.float32)
+    with pytest.warns(UserWarning, match="did not complete a logical step"):
+        dp.fit(x, y, batch_size=micro, epochs=3, verbose=0, callbacks=[probe])
+    assert pending == [0, 0, 0]  # every epoch starts at a step boundary
+    assert int(dp.optimizer.dp_steps) == 3  # one whole step per epoch, the odd batch dropped
