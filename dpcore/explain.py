@@ -13,7 +13,7 @@ from typing import Any
 
 from dpcore.engine import graph
 from dpcore.engine.ghost import fallback_reason
-from dpcore.engine.registry import Registry, default_registry, lookup
+from dpcore.rules import Registry, default_registry, lookup
 
 __all__ = ["Explanation", "LayerPath", "explain"]
 
@@ -81,7 +81,7 @@ def explain(model: Any, *, registry: Registry | None = None) -> Explanation:
 
     Args:
       model: a built Keras model.
-      registry: layer rules (default :func:`dpcore.engine.registry.default_registry`).
+      registry: layer rules (default :func:`dpcore.rules.default_registry`).
 
     Returns:
       An :class:`Explanation`; ``print(explain(model))`` shows a table.

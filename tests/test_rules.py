@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpcore.engine import registry
 from dpcore.engine.ghost import fast_summary
 from dpcore.engine.summary import prepare_batch
 from dpcore.losses import per_example_loss_fn
 from dpcore.options import ExecutionOptions
-from dpcore.rules import linear
+from dpcore.rules import default_registry, linear, lookup
 from dpcore.rules.embedding import same_id_sq_norm
 from dpcore.testing import assert_sq_norm_bound, reference_per_example_gradients
 
@@ -176,7 +175,7 @@ def test_conv(case, rng):
 def test_conv_paths_follow_cost():
     ghost = _single(keras.layers.Conv2D(8, 3), (4, 4, 8))  # T=4, D=72, P=8
     mat = _single(keras.layers.Conv2D(2, 3, padding="same"), (8, 8, 1))  # T=64, D=9, P=2
-    rule = registry.default_registry()[keras.layers.Conv2D]
+    rule = default_registry()[keras.layers.Conv2D]
     assert rule.plan(ghost.layers[0], [(None, 4, 4, 8)])[0] == "ghost"
     assert rule.plan(mat.layers[0], [(None, 8, 8, 1)])[0] == "materialized"
 
@@ -318,13 +317,13 @@ def test_ghost_and_materialized_norms_agree(rng):
 
 
 def test_registry_is_explicit_and_exact():
-    reg = registry.default_registry()
-    assert reg is not registry.default_registry()  # a fresh mapping every time
+    reg = default_registry()
+    assert reg is not default_registry()  # a fresh mapping every time
 
     class MyDense(keras.layers.Dense):
         pass
 
-    rule, why = registry.lookup(reg, MyDense(2))
+    rule, why = lookup(reg, MyDense(2))
     assert rule is None and "MyDense" in why
-    rule, _ = registry.lookup(reg, keras.layers.Dense(2))
+    rule, _ = lookup(reg, keras.layers.Dense(2))
     assert rule is not None and rule.name == "dense"

@@ -4,7 +4,7 @@ Contract: :func:`fast_summary` has the signature of the vectorized path (minus `
 returns the same :class:`~dpcore.engine.summary.GradientSummary`, computed with
 
 1. one forward pass that replays the model's layer graph (:mod:`dpcore.engine.graph`); each layer
-   with a rule (:mod:`dpcore.engine.registry`) is recomputed by its rule from the layer's own
+   with a rule (:mod:`dpcore.rules`) is recomputed by its rule from the layer's own
    variables, recording its input and its pre-activation output ``z``;
 2. one backward pass of ``sum_i w_i L_i`` (``w`` = sample weight times mask) to every recorded
    ``z`` (never to the weights), giving ``dL_i/dz_i`` row by row;
@@ -28,17 +28,10 @@ from typing import Any
 import tensorflow as tf
 
 from dpcore.engine import graph
-from dpcore.engine.registry import (
-    LayerRule,
-    Registry,
-    Use,
-    VariableGrad,
-    default_registry,
-    lookup,
-)
 from dpcore.engine.summary import GradientSummary, check_variables, weighted_loss
 from dpcore.options import ExecutionOptions, resolve
-from dpcore.rules import linear
+from dpcore.rules import default_registry, lookup
+from dpcore.rules.base import LayerRule, Registry, Use, VariableGrad, from_per_example
 
 __all__ = ["fast_summary", "supports", "fallback_reason"]
 
@@ -201,8 +194,7 @@ def _fallback_grads(layer: Any, uses: Sequence[Use], wanted: set[int]) -> list[V
 
     per_example = tf.vectorized_map(one, elems)
     return [
-        linear.from_per_example(v, g, path="fallback:vectorized")
-        for v, g in zip(variables, per_example)
+        from_per_example(v, g, path="fallback:vectorized") for v, g in zip(variables, per_example)
     ]
 
 
@@ -243,7 +235,7 @@ def fast_summary(
       variables: variables to differentiate.
       options: ``training`` (passed to every layer call), ``wrt_inputs`` (also per-example
         gradients w.r.t. the floating inputs, same pass) and ``registry`` (layer rules, default
-        :func:`~dpcore.engine.registry.default_registry`) are used.
+        :func:`~dpcore.rules.default_registry`) are used.
 
     Returns:
       A :class:`GradientSummary` whose ``paths`` maps each differentiated layer's name to its

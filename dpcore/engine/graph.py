@@ -10,13 +10,14 @@ Contract:
   the graph are called as they are. ``training`` is injected exactly as Keras does, and Keras masks
   are propagated for outputs that ``layer_fn`` computed without calling the layer.
 - :func:`leaf_calls` lists the same leaf layer calls statically, with their input shapes.
-- :func:`replay_multi_head_attention` is ``MultiHeadAttention.call`` with its projections routed
-  through a callback (the layer's own mask and attention methods do the rest, dropout included).
+- :func:`attention_projections`, :func:`attention_mask`, :func:`attend`, :func:`keras_mask` and
+  :func:`set_mask` name ``MultiHeadAttention``'s private parts and Keras's mask storage for the
+  attention rule (:mod:`dpcore.rules.attention`), which replays the layer's call from them, so
+  this module stays the only one touching Keras internals. It imports nothing from dpcore.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,60 +173,46 @@ def op_variables(model: Any) -> Iterator[tuple[str, Any]]:
                 yield getattr(op, "name", type(op).__name__), v
 
 
-def replay_multi_head_attention(layer: Any, args: tuple, kwargs: dict, call: LayerFn) -> Any:
-    """``layer(*args, **kwargs)`` for a ``MultiHeadAttention``, projections through ``call``.
+# MultiHeadAttention internals, for the attention rule (dpcore.rules.attention), which replays the
+# layer's call from these accessors: the private attributes and methods are named here only.
 
-    Mirrors ``MultiHeadAttention.call`` (Keras 3): Keras masks of the inputs and the explicit
-    masks are merged by the layer's own ``_compute_attention_mask``; ``_compute_attention`` does the
-    softmax attention (and its dropout) exactly once, as in a plain forward pass.
-    """
-    bound = inspect.signature(layer.call).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    query, value = a["query"], a["value"]
-    key = value if a.get("key") is None else a["key"]
-    training = a.get("training")
-    query_mask = get_keras_mask(query)
-    value_mask = a.get("value_mask")
-    if value_mask is None:
-        value_mask = get_keras_mask(value)
-    key_mask = a.get("key_mask")
-    if key_mask is None and a.get("key") is not None:
-        key_mask = get_keras_mask(key)
-    attention_mask = layer._compute_attention_mask(
-        query,
-        value,
-        query_mask=query_mask,
-        value_mask=value_mask,
-        key_mask=key_mask,
-        attention_mask=a.get("attention_mask"),
-        use_causal_mask=a.get("use_causal_mask", False),
-    )
-    gate = None
+
+def keras_mask(x: Any) -> Any:
+    """The Keras mask carried by tensor ``x`` (None when it has none)."""
+    return get_keras_mask(x)
+
+
+def set_mask(x: Any, mask: Any) -> None:
+    """Sets (or, with None, clears) the Keras mask carried by tensor ``x``."""
+    set_keras_mask(x, mask)
+
+
+def attention_projections(layer: Any) -> dict[str, Any]:
+    """The projection sub-layers of a ``MultiHeadAttention``, in call order:
+    ``{"gate": ..., "query": ..., "key": ..., "value": ..., "output": ...}`` (``"gate"`` only when
+    the layer uses a gate)."""
+    names = {"query": "_query_dense", "key": "_key_dense", "value": "_value_dense"}
     if getattr(layer, "_use_gate", False):
-        gate = call(layer._gate_dense, (query,), {})
-    q = call(layer._query_dense, (query,), {})
-    k = call(layer._key_dense, (key,), {})
-    v = call(layer._value_dense, (value,), {})
-    for t in (q, k, v):
-        set_keras_mask(t, None)
-    output, scores = layer._compute_attention(
-        q, k, v, attention_mask, training, a.get("return_attention_scores", False)
-    )
-    if gate is not None:
-        output = output * gate
-    output = call(layer._output_dense, (output,), {})
-    set_keras_mask(output, None)
-    if query_mask is not None:
-        set_keras_mask(output, query_mask)
-    if a.get("return_attention_scores", False):
-        return output, scores
-    return output
+        names = {"gate": "_gate_dense", **names}
+    names["output"] = "_output_dense"
+    return {role: getattr(layer, attr) for role, attr in names.items()}
 
 
-def attention_sublayers(layer: Any) -> list[Any]:
-    """The projection sub-layers of a ``MultiHeadAttention`` (gate included when used)."""
-    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
-    if getattr(layer, "_use_gate", False):
-        names.insert(0, "_gate_dense")
-    return [getattr(layer, n) for n in names]
+def attention_mask(layer: Any, query: Any, value: Any, **masks: Any) -> Any:
+    """``MultiHeadAttention._compute_attention_mask``: the layer's own merge of Keras and explicit
+    masks (``query_mask``, ``value_mask``, ``key_mask``, ``attention_mask``, ``use_causal_mask``)."""
+    return layer._compute_attention_mask(query, value, **masks)
+
+
+def attend(
+    layer: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    training: Any,
+    return_attention_scores: bool,
+) -> tuple[Any, Any]:
+    """``MultiHeadAttention._compute_attention`` on projected ``query``/``key``/``value``: the
+    softmax attention, its dropout included; returns ``(output, scores)``."""
+    return layer._compute_attention(query, key, value, mask, training, return_attention_scores)

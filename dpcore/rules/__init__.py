@@ -1,14 +1,49 @@
-"""Built-in fast-path rules, one module per layer family.
+"""Fast-path layer rules: the rule types, the built-in rules and their registry.
 
-Contract: importing this package registers nothing; :func:`builtin_rules` returns a fresh
-``{layer class: LayerRule}`` mapping that :func:`dpcore.engine.registry.default_registry` uses.
+Contract:
+- The rule types and shared helpers live in :mod:`dpcore.rules.base` (re-exported here), which
+  imports nothing from :mod:`dpcore.engine`; the built-in rules are one module per layer family
+  (:mod:`~dpcore.rules.dense`, :mod:`~dpcore.rules.conv`, :mod:`~dpcore.rules.embedding`,
+  :mod:`~dpcore.rules.normalization`, :mod:`~dpcore.rules.attention`). The engine imports the
+  rules, never the other way round; the one exception is the attention rule, which reaches Keras
+  internals through the accessors of :mod:`dpcore.engine.graph` (a module importing nothing from
+  dpcore).
+- Registries are explicit: importing this package registers nothing. :func:`default_registry`
+  returns a fresh ``{layer class: LayerRule}`` mapping, which users extend with
+  ``{**default_registry(), MyLayer: MY_RULE}`` and pass as
+  ``dpcore.ExecutionOptions(registry=...)`` (see ``dpcore/rules/README.md``).
+- Lookup is by exact class: a subclass of ``Dense`` may override ``call``, so it does not inherit
+  ``Dense``'s rule; it falls back to vectorized gradients unless registered itself.
+- A layer used several times in one model is summarized from all its uses at once: its
+  per-example gradient is the sum over uses, and the norm is taken of that sum.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
-from dpcore.engine.registry import LayerRule
+from dpcore.rules.base import (
+    PATHS,
+    LayerRule,
+    Registry,
+    Use,
+    VariableGrad,
+    from_per_example,
+)
+
+__all__ = [
+    "PATHS",
+    "LayerRule",
+    "Registry",
+    "Use",
+    "VariableGrad",
+    "builtin_rules",
+    "default_registry",
+    "from_per_example",
+    "lookup",
+]
 
 
 def builtin_rules() -> dict[type, LayerRule]:
@@ -29,3 +64,28 @@ def builtin_rules() -> dict[type, LayerRule]:
         keras.layers.GroupNormalization: GROUP_NORMALIZATION,
         keras.layers.MultiHeadAttention: MULTI_HEAD_ATTENTION,
     }
+
+
+def default_registry() -> dict[type, LayerRule]:
+    """A fresh registry with dpcore's built-in rules.
+
+    Returns:
+      ``{layer class: LayerRule}`` for Dense, EinsumDense, Conv1D, Conv2D, Embedding,
+      LayerNormalization, GroupNormalization and MultiHeadAttention.
+    """
+    return builtin_rules()
+
+
+def lookup(registry: Registry, layer: Any) -> tuple[LayerRule | None, str]:
+    """The rule for ``layer`` (exact class match) and, when there is none, why.
+
+    Returns:
+      ``(rule, "")`` when a rule applies, else ``(None, reason)``.
+    """
+    rule = registry.get(type(layer))
+    if rule is None:
+        return None, f"no rule for {type(layer).__name__}"
+    reason = rule.check(layer)
+    if reason:
+        return None, reason
+    return rule, ""

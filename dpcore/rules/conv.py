@@ -23,13 +23,20 @@ import keras
 import tensorflow as tf
 
 from dpcore import norms
-from dpcore.engine.registry import LayerRule, Use, VariableGrad
 from dpcore.rules import linear
-from dpcore.rules.dense import _activate, _cast_input, _unsupported_variant
+from dpcore.rules.base import (
+    LayerRule,
+    Use,
+    VariableGrad,
+    cast_input,
+    from_per_example,
+    unsupported_variant,
+    weighted_rows,
+)
 
 
 def _check(layer: Any) -> str | None:
-    reason = _unsupported_variant(layer)
+    reason = unsupported_variant(layer)
     if reason:
         return reason
     if str(layer.padding).lower() not in ("valid", "same", "causal"):
@@ -42,7 +49,7 @@ def _padding(layer: Any) -> str:
 
 
 def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
-    a = _cast_input(layer, args[0])
+    a = cast_input(layer, args[0])
     if layer.padding == "causal":
         left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
         pad = [[0, 0], [left, 0], [0, 0]]
@@ -216,10 +223,10 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
 
     def kernel_sum(w: tf.Tensor) -> tf.Tensor:
         if isinstance(per_example, list):
-            summed = tf.stack([linear.weighted_rows(t, w) for t in per_example])
+            summed = tf.stack([weighted_rows(t, w) for t in per_example])
             return tf.cast(tf.reshape(summed, kernel.shape), kernel.dtype)
         if per_example is not None:
-            return tf.cast(linear.weighted_rows(per_example, w), kernel.dtype)
+            return tf.cast(weighted_rows(per_example, w), kernel.dtype)
         k = tf.cast(tf.convert_to_tensor(kernel), tf.float32)
         total = tf.zeros(k.shape, tf.float32)
         for u in uses:  # in float32, whatever the layer's compute dtype
@@ -235,7 +242,7 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
     if layer.use_bias:
         gb = tf.reduce_sum(g, axis=1)  # [B, C_out]
-        out.append(linear.from_per_example(layer.bias, gb, path="ghost"))
+        out.append(from_per_example(layer.bias, gb, path="ghost"))
     return out
 
 
@@ -265,7 +272,6 @@ CONV = LayerRule(
     name="conv",
     check=_check,
     forward=_forward,
-    activate=_activate,
     grads=_grads,
     plan=_plan,
 )

@@ -17,34 +17,21 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dpcore.engine.registry import LayerRule, Use, VariableGrad
 from dpcore.rules import linear
-
-
-def _unsupported_variant(layer: Any) -> str | None:
-    if getattr(layer, "lora_enabled", False):
-        return f"{type(layer).__name__} {layer.name!r} has LoRA enabled"
-    if getattr(layer, "quantization_mode", None):
-        return f"{type(layer).__name__} {layer.name!r} is quantized ({layer.quantization_mode})"
-    return None
-
-
-def _cast_input(layer: Any, x: Any) -> tf.Tensor:
-    x = tf.convert_to_tensor(x)
-    if x.dtype.is_floating and x.dtype != tf.as_dtype(layer.compute_dtype):
-        x = tf.cast(x, layer.compute_dtype)
-    return x
-
-
-def _activate(layer: Any, z: tf.Tensor) -> tf.Tensor:
-    return layer.activation(z) if layer.activation is not None else z
-
+from dpcore.rules.base import (
+    LayerRule,
+    Use,
+    VariableGrad,
+    cast_input,
+    from_per_example,
+    unsupported_variant,
+)
 
 # ----------------------------------------------------------------------------------------- Dense
 
 
 def _dense_forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
-    a = _cast_input(layer, args[0])
+    a = cast_input(layer, args[0])
     z = keras.ops.matmul(a, layer.kernel)
     if layer.bias is not None:
         z = keras.ops.add(z, layer.bias)
@@ -58,7 +45,7 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     path, _ = linear.choose_path(a.shape[1], d, p)
     kernel = layer.kernel
     if path == "materialized":  # the [B, D, P] grads serve the norm and the clipped sum
-        out = [linear.from_per_example(kernel, linear.materialize(a, g), path=path)]
+        out = [from_per_example(kernel, linear.materialize(a, g), path=path)]
     else:
 
         def kernel_sum(w: tf.Tensor) -> tf.Tensor:
@@ -68,7 +55,7 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
     if layer.bias is not None:
         gb = tf.reduce_sum(tf.cast(g, tf.float32), axis=1)  # [B, P]
-        out.append(linear.from_per_example(layer.bias, gb, path="ghost"))
+        out.append(from_per_example(layer.bias, gb, path="ghost"))
     return out
 
 
@@ -84,9 +71,8 @@ def _dense_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
 
 DENSE = LayerRule(
     name="dense",
-    check=_unsupported_variant,
+    check=unsupported_variant,
     forward=_dense_forward,
-    activate=_activate,
     grads=_dense_grads,
     plan=_dense_plan,
 )
@@ -96,7 +82,7 @@ DENSE = LayerRule(
 
 
 def _einsum_check(layer: Any) -> str | None:
-    reason = _unsupported_variant(layer)
+    reason = unsupported_variant(layer)
     if reason:
         return reason
     try:
@@ -129,7 +115,7 @@ def _resolve(equation: str, x_rank: int) -> tuple[str, str, str]:
 
 
 def _einsum_forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
-    a = _cast_input(layer, args[0])
+    a = cast_input(layer, args[0])
     z = keras.ops.einsum(layer.equation, a, layer.kernel)
     if layer.bias is not None:
         z = keras.ops.add(z, layer.bias)
@@ -196,12 +182,12 @@ def _einsum_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         # norm of what is stored bounds what each example contributes.
         eq = f"{s['x']},{s['out']}->{b}{s['w']}"
         per_example = tf.add_n([tf.einsum(eq, x, g) for x, g in zip(xs, gs)])
-        out = [linear.from_per_example(kernel, per_example, path=path)]
+        out = [from_per_example(kernel, per_example, path=path)]
     if layer.bias is not None:
         bias_letters = "".join(c for c in s["out"] if c in layer.bias_axes)
         gb = tf.add_n([tf.einsum(f"{s['out']}->{b}{bias_letters}", g) for g in gs])
         gb = tf.reshape(gb, [-1, *layer.bias.shape])
-        out.append(linear.from_per_example(layer.bias, gb, path="ghost"))
+        out.append(from_per_example(layer.bias, gb, path="ghost"))
     return out
 
 
@@ -235,7 +221,6 @@ EINSUM_DENSE = LayerRule(
     name="einsum_dense",
     check=_einsum_check,
     forward=_einsum_forward,
-    activate=_activate,
     grads=_einsum_grads,
     plan=_einsum_plan,
 )

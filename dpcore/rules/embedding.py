@@ -18,8 +18,7 @@ import keras
 import tensorflow as tf
 
 from dpcore import norms
-from dpcore.engine.registry import LayerRule, Use, VariableGrad
-from dpcore.rules.dense import _unsupported_variant
+from dpcore.rules.base import LayerRule, Use, VariableGrad, unsupported_variant
 
 
 def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
@@ -32,10 +31,6 @@ def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
     ids = tf.where(ids < 0, ids + vocab, ids)
     z = keras.ops.take(layer.embeddings, ids, axis=0)
     return keras.ops.cast(z, layer.compute_dtype), {"ids": ids}
-
-
-def _identity(layer: Any, z: tf.Tensor) -> tf.Tensor:
-    return z
 
 
 def same_id_sq_norm(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -95,9 +90,8 @@ def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
 
 EMBEDDING = LayerRule(
     name="embedding",
-    check=_unsupported_variant,
+    check=unsupported_variant,
     forward=_forward,
-    activate=_identity,
     grads=_grads,
     plan=_plan,
 )

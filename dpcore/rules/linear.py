@@ -4,19 +4,16 @@ Contract: for an example with inputs ``A_i [T, D]`` and output gradients ``G_i [
 per-example weight gradient is ``A_i^T G_i [D, P]``. Its squared Frobenius norm is computed either
 as ``<A_i A_i^T, G_i G_i^T>`` ("ghost", cost ``O(T^2 (D + P))``, never forms ``[B, D, P]``) or by
 materializing ``A_i^T G_i`` (cost ``O(T D P)``); :func:`choose_path` picks the cheaper one from
-static shapes. ``T = 1`` uses ``||a_i||^2 ||g_i||^2``. All functions are pure tensor math,
-except :func:`from_per_example`, which packs materialized per-example gradients (any rule's) as
-the engine's :class:`~dpcore.engine.registry.VariableGrad`.
+static shapes. ``T = 1`` uses ``||a_i||^2 ||g_i||^2``. All functions are pure tensor math;
+packing per-example gradients as a :class:`~dpcore.rules.base.VariableGrad` is
+:func:`dpcore.rules.base.from_per_example`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import tensorflow as tf
 
 from dpcore import norms
-from dpcore.engine.registry import VariableGrad
 
 
 def choose_path(t: int | None, d: int, p: int) -> tuple[str, str]:
@@ -89,24 +86,3 @@ def static_positions(shape) -> int | None:
             return None
         t *= int(d)
     return t
-
-
-def weighted_rows(per_example: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
-    """``sum_i w_i per_example[i]``."""
-    return tf.tensordot(tf.cast(w, tf.float32), tf.cast(per_example, tf.float32), axes=1)
-
-
-def from_per_example(variable: Any, per_example: tf.Tensor, *, path: str) -> VariableGrad:
-    """A variable's gradient info from its per-example gradients ``[B, *variable.shape]``:
-    certified norms row by row (:func:`dpcore.norms.sq_norm_bound`), the clipped sum as
-    :func:`weighted_rows` of the same tensor, cast to the variable's dtype.
-
-    Privacy:
-      Unclipped per-example gradients: the engine clips them through ``weighted_sum``'s weights.
-    """
-    return VariableGrad(
-        variable=variable,
-        sq_norm=norms.sq_norm_bound(per_example),
-        weighted_sum=lambda w: tf.cast(weighted_rows(per_example, w), variable.dtype),
-        path=path,
-    )

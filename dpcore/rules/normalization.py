@@ -16,16 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dpcore.engine.registry import LayerRule, Use, VariableGrad
-from dpcore.rules import linear
-
-
-def _check(layer: Any) -> str | None:
-    return None
-
-
-def _identity(layer: Any, z: tf.Tensor) -> tf.Tensor:
-    return z
+from dpcore.rules.base import LayerRule, Use, VariableGrad, from_per_example
 
 
 def _as_float32(x: Any) -> tf.Tensor:
@@ -95,7 +86,7 @@ def _affine_grads(
             b = tf.shape(uses[0].grad)[0]
             per_example = tf.zeros(tf.concat([[b], tf.constant(var.shape, tf.int32)], 0))
 
-        out.append(linear.from_per_example(var, per_example, path="ghost"))
+        out.append(from_per_example(var, per_example, path="ghost"))
     return out
 
 
@@ -109,7 +100,6 @@ def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
 
 LAYER_NORMALIZATION = LayerRule(
     name="layer_normalization",
-    check=_check,
     forward=_ln_forward,
     activate=_cast_out,
     grads=_ln_grads,
@@ -146,7 +136,6 @@ def _gn_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
 
 GROUP_NORMALIZATION = LayerRule(
     name="group_normalization",
-    check=_check,
     forward=_gn_forward,
     activate=_cast_out,
     grads=_gn_grads,

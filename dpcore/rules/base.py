@@ -1,0 +1,194 @@
+"""Rule types for the fast path, and the helpers every rule shares.
+
+Contract:
+- A :class:`LayerRule` is a bundle of plain functions for one layer class. ``forward`` recomputes
+  the layer's pre-activation output ``z`` from the call's inputs and the layer's own variables and
+  returns what the rule needs later (its *capture*); ``activate`` maps ``z`` to the layer's output.
+  After one backward pass the engine hands the rule every call of the layer (a :class:`Use`: the
+  capture plus ``dL_i/dz``) and ``grads`` returns, per variable, each example's squared gradient
+  norm and a function forming ``sum_i w_i * grad_i`` (a :class:`VariableGrad`).
+- Every ``sq_norm`` a rule returns is a certified upper bound (float64, :mod:`dpcore.norms`): the
+  clip factors are computed from it, so an underestimate would leave an example unclipped.
+  :func:`from_per_example` gives that bound for any rule that forms per-example gradients.
+- A simple rule is three functions: ``forward``, ``grads`` and, when the default does not fit,
+  ``activate``. ``check`` defaults to "handles every instance", ``activate`` to the layer's
+  ``activation`` (identity when it has none) and ``plan`` to ``"materialized"``, the path
+  :func:`from_per_example` reports by default. See ``dpcore/rules/README.md`` for the recipe.
+- Rules never mutate layers and never read globals. Defining one registers nothing:
+  registries are explicit mappings (:func:`dpcore.rules.default_registry`).
+- Dependencies run one way: this module imports only TensorFlow and :mod:`dpcore.norms` (pure
+  tensor math), never :mod:`dpcore.engine`; the engine imports the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from dpcore import norms
+
+__all__ = [
+    "PATHS",
+    "LayerRule",
+    "Registry",
+    "Use",
+    "VariableGrad",
+    "activation_or_identity",
+    "always",
+    "cast_input",
+    "from_per_example",
+    "materialized_plan",
+    "unsupported_variant",
+    "weighted_rows",
+]
+
+PATHS = ("ghost", "materialized", "fallback:vectorized", "no variables", "frozen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One call of a layer in the recorded forward pass.
+
+    Attributes:
+      capture: tensors the rule's ``forward`` recorded (e.g. the layer input).
+      grad: ``dL/dz`` where ``L = sum_i L_i``; row ``i`` is ``dL_i/dz_i``.
+    """
+
+    capture: Mapping[str, Any]
+    grad: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableGrad:
+    """Per-example information about one variable's gradient.
+
+    Attributes:
+      variable: the variable.
+      sq_norm: ``[B]`` certified upper bound (float64) of the squared L2 norm of what each example
+        contributes to ``weighted_sum`` for this variable: never below the true value, for any
+        finite input (see :mod:`dpcore.norms`; :func:`from_per_example` gives it for a rule that
+        materializes per-example gradients).
+      weighted_sum: ``w [B] -> sum_i w_i * grad_i`` shaped like the variable.
+      path: how the norm was computed (``"ghost"``, ``"materialized"``, ...).
+    """
+
+    variable: Any
+    sq_norm: tf.Tensor
+    weighted_sum: Callable[[tf.Tensor], tf.Tensor]
+    path: str
+
+
+# ------------------------------------------------------------------------------------ defaults
+
+
+def always(layer: Any) -> str | None:
+    """The default ``check``: the rule handles every instance of its class."""
+    return None
+
+
+def activation_or_identity(layer: Any, z: tf.Tensor) -> Any:
+    """The default ``activate``: ``layer.activation(z)`` when the layer has one, else ``z``."""
+    activation = getattr(layer, "activation", None)
+    return activation(z) if activation is not None else z
+
+
+def materialized_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
+    """The default ``plan``: ``"materialized"`` (what :func:`from_per_example` reports)."""
+    return "materialized", f"per-example gradients formed by the rule for {type(layer).__name__}"
+
+
+def _composed_only(*args: Any) -> Any:
+    raise NotImplementedError("this rule composes sub-layers (compose); it has no forward/grads")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerRule:
+    """The fast-path rule for one layer class (fields are keyword-only).
+
+    Attributes:
+      name: short name for reports.
+      forward: ``(layer, args, kwargs) -> (z, capture)``: ``z`` is the tensor whose gradient the
+        engine takes (pre-activation output), ``capture`` the tensors ``grads`` needs later.
+      grads: ``(layer, uses) -> [VariableGrad]`` for the layer's trainable variables; every
+        ``sq_norm`` a certified upper bound (float64).
+      check: ``layer -> None`` when the rule handles this layer instance, else a reason string
+        (e.g. a quantized or LoRA-enabled ``Dense``). Default :func:`always`.
+      activate: ``(layer, z) -> outputs``. Default :func:`activation_or_identity`.
+      plan: ``(layer, input_shapes) -> (path, why)`` for reports, from static shapes; the path must
+        be the one ``grads`` reports. Default :func:`materialized_plan`.
+      compose: for a layer made of sub-layers (e.g. MultiHeadAttention):
+        ``(layer, args, kwargs, call) -> outputs`` replays the layer's computation, calling each
+        sub-layer through ``call(sublayer, args, kwargs)`` so that the engine records the
+        sub-layers with their own rules. When set, ``forward``/``activate``/``grads`` are unused
+        (and may be left out).
+
+    Raises:
+      TypeError: a rule without ``compose`` that leaves out ``forward`` or ``grads``.
+    """
+
+    name: str
+    forward: Callable[[Any, tuple, dict], tuple[tf.Tensor, dict[str, Any]]] = _composed_only
+    grads: Callable[[Any, Sequence[Use]], list[VariableGrad]] = _composed_only
+    check: Callable[[Any], str | None] = always
+    activate: Callable[[Any, tf.Tensor], Any] = activation_or_identity
+    plan: Callable[[Any, Sequence[Any]], tuple[str, str]] = materialized_plan
+    compose: Callable[[Any, tuple, dict, Callable], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.compose is None and _composed_only in (self.forward, self.grads):
+            raise TypeError(f"LayerRule {self.name!r} needs forward and grads (or compose).")
+
+
+Registry = Mapping[type, LayerRule]
+
+
+# ------------------------------------------------------------------------------ shared helpers
+
+
+def weighted_rows(per_example: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """``sum_i w_i per_example[i]`` in float32."""
+    return tf.tensordot(tf.cast(w, tf.float32), tf.cast(per_example, tf.float32), axes=1)
+
+
+def from_per_example(
+    variable: Any, per_example: tf.Tensor, *, path: str = "materialized"
+) -> VariableGrad:
+    """A variable's gradient info from its per-example gradients ``[B, *variable.shape]``:
+    certified norms row by row (:func:`dpcore.norms.sq_norm_bound`), the clipped sum as
+    :func:`weighted_rows` of the same tensor, cast to the variable's dtype.
+
+    Args:
+      variable: the variable the gradients belong to.
+      per_example: ``[B, *variable.shape]`` per-example gradients (any float dtype).
+      path: the path reported for it (``"ghost"`` where the per-example tensor is as small as
+        the parameters times the batch, e.g. a bias).
+
+    Privacy:
+      Unclipped per-example gradients: the engine clips them through ``weighted_sum``'s weights.
+    """
+    return VariableGrad(
+        variable=variable,
+        sq_norm=norms.sq_norm_bound(per_example),
+        weighted_sum=lambda w: tf.cast(weighted_rows(per_example, w), variable.dtype),
+        path=path,
+    )
+
+
+def cast_input(layer: Any, x: Any) -> tf.Tensor:
+    """``x`` as a tensor in the layer's compute dtype (floating inputs only), as Keras casts it."""
+    x = tf.convert_to_tensor(x)
+    if x.dtype.is_floating and x.dtype != tf.as_dtype(layer.compute_dtype):
+        x = tf.cast(x, layer.compute_dtype)
+    return x
+
+
+def unsupported_variant(layer: Any) -> str | None:
+    """Why a LoRA-enabled or quantized Keras layer is not handled (None for the plain layer)."""
+    if getattr(layer, "lora_enabled", False):
+        return f"{type(layer).__name__} {layer.name!r} has LoRA enabled"
+    if getattr(layer, "quantization_mode", None):
+        return f"{type(layer).__name__} {layer.name!r} is quantized ({layer.quantization_mode})"
+    return None
