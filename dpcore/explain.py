@@ -2,8 +2,9 @@
 
 Contract: :func:`explain` inspects a built model statically (no data, no tracing) and returns one
 row per layer: its name, class, path (``"ghost"``, ``"materialized"``, ``"fallback:vectorized"``,
-``"no variables"``, ``"frozen"``) and why. The paths are those the fast engine
-(:func:`dpcore.engine.ghost.fast_summary`) takes for the same model and registry.
+``"no variables"``, ``"frozen"``) and why. The paths are those the engine
+(:func:`dpcore.engine.summarize`) takes for the same model and :class:`dpcore.ExecutionOptions`
+(its layer rules, and a ``method``/``chunk_size`` that selects the vectorized path).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from dpcore.engine import graph
 from dpcore.engine.ghost import fallback_reason
+from dpcore.options import ExecutionOptions, resolve
 from dpcore.rules import Registry, default_registry, lookup
 
 __all__ = ["Explanation", "LayerPath", "explain"]
@@ -76,19 +78,44 @@ def _row(layer: Any, shapes: list, registry: Registry) -> LayerPath:
     return LayerPath(layer.name, cls, path, why)
 
 
-def explain(model: Any, *, registry: Registry | None = None) -> Explanation:
+def _vectorized_by_options(options: ExecutionOptions) -> str | None:
+    """Why ``options`` select the vectorized path for the whole model (as ``summarize`` does)."""
+    if options.method == "vectorized":
+        return "options.method='vectorized'"
+    if options.method == "auto" and options.chunk_size is not None:
+        return "options.chunk_size selects the vectorized path"
+    return None
+
+
+def explain(
+    model: Any,
+    *,
+    options: ExecutionOptions | None = None,
+    registry: Registry | None = None,
+) -> Explanation:
     """Reports the engine path of every layer of ``model``.
 
     Args:
       model: a built Keras model.
-      registry: layer rules (default :func:`dpcore.rules.default_registry`).
+      options: the :class:`dpcore.ExecutionOptions` the model trains with: its ``registry``
+        (layer rules) and ``method``/``chunk_size`` (which may select the vectorized path for the
+        whole model) are used.
+      registry: layer rules, a shorthand for ``options=ExecutionOptions(registry=...)``; default
+        :func:`dpcore.rules.default_registry`.
 
     Returns:
       An :class:`Explanation`; ``print(explain(model))`` shows a table.
+
+    Raises:
+      ValueError: when both ``registry`` and ``options.registry`` are given.
     """
+    options = resolve(options)
+    if registry is not None and options.registry is not None:
+        raise ValueError("pass the layer rules once: registry= or options.registry, not both.")
+    registry = registry if registry is not None else options.registry
     registry = default_registry() if registry is None else registry
     name = getattr(model, "name", type(model).__name__)
-    whole = fallback_reason(model)
+    whole = _vectorized_by_options(options) or fallback_reason(model)
     if whole is not None:
         members = list(getattr(model, "layers", []))
         rows = tuple(
