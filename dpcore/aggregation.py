@@ -19,6 +19,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any, SupportsFloat
 
 import tensorflow as tf
 
@@ -39,7 +40,10 @@ def _check_clip(name: str, value: float) -> float:
 
 
 def check_privacy_args(
-    *, l2_norm_clip: float | Sequence[float], noise_multiplier: float, expected_batch_size: float
+    *,
+    l2_norm_clip: float | list[float] | tuple[float, ...],
+    noise_multiplier: SupportsFloat,
+    expected_batch_size: float,
 ) -> None:
     """Raises ValueError naming the argument for out-of-range privacy parameters.
 
@@ -111,7 +115,7 @@ def _round_down_f32(w: tf.Tensor) -> tf.Tensor:
 def clip(
     summary: GradientSummary,
     *,
-    l2_norm_clip: float | Sequence[float],
+    l2_norm_clip: float | list[float] | tuple[float, ...],
     variable_groups: Sequence[int] | None = None,
 ) -> ClippedSum:
     """Clips every example's gradient and sums them.
@@ -177,8 +181,31 @@ def clip(
     )
 
 
+def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
+    """Independent float32 ``N(0, 1)`` draws shaped like each of ``like`` (tensors or variables).
+
+    Args:
+      like: tensors (or variables) giving the shapes.
+      seed: an int32/int64 tensor of shape ``[2]``; tensor ``j`` uses ``fold_in(seed, j)``.
+
+    Returns:
+      One float32 tensor per input. The draw depends on ``seed`` and the shapes only, never on
+      data, so a step may make it before its forward pass.
+    """
+    seed = tf.cast(seed, tf.int64)
+    out = []
+    for j, t in enumerate(like):
+        s = tf.random.experimental.stateless_fold_in(seed, j)
+        out.append(tf.random.stateless_normal(t.shape, seed=s, stddev=1.0, dtype=tf.float32))
+    return out
+
+
 def gaussian_noise(
-    like: Sequence[tf.Tensor], *, stddev: float | tf.Tensor, seed: tf.Tensor
+    like: Sequence[tf.Tensor],
+    *,
+    stddev: float | tf.Tensor,
+    seed: tf.Tensor,
+    unit: Sequence[tf.Tensor] | None = None,
 ) -> list[tf.Tensor]:
     """Independent ``N(0, stddev^2)`` noise shaped like each tensor of ``like``.
 
@@ -186,17 +213,13 @@ def gaussian_noise(
       like: tensors giving shapes and dtypes.
       stddev: the standard deviation.
       seed: an int32/int64 tensor of shape ``[2]``; tensor ``j`` uses ``fold_in(seed, j)``.
+      unit: the :func:`standard_normal` draw for ``seed``, if already made.
 
     Returns:
       One noise tensor per input.
     """
-    seed = tf.cast(seed, tf.int64)
-    out = []
-    for j, t in enumerate(like):
-        s = tf.random.experimental.stateless_fold_in(seed, j)
-        noise = tf.random.stateless_normal(tf.shape(t), seed=s, stddev=1.0, dtype=tf.float32)
-        out.append(tf.cast(noise * tf.cast(stddev, tf.float32), t.dtype))
-    return out
+    unit = standard_normal(like, seed=seed) if unit is None else unit
+    return [tf.cast(z * tf.cast(stddev, tf.float32), t.dtype) for z, t in zip(unit, like)]
 
 
 def privatize(
@@ -205,6 +228,7 @@ def privatize(
     noise_multiplier: float | tf.Tensor,
     expected_batch_size: float,
     seed: tf.Tensor,
+    unit_noise: Sequence[tf.Tensor] | None = None,
 ) -> list[tf.Tensor]:
     """Adds Gaussian noise once to a clipped sum and normalizes by the expected batch size.
 
@@ -216,6 +240,8 @@ def privatize(
         read when the step runs and must have been checked where it was set.
       expected_batch_size: the divisor (``sampling_prob * num_examples`` under Poisson sampling).
       seed: ``[2]`` integer tensor; a fresh one per logical step.
+      unit_noise: ``standard_normal(clipped.grads, seed=seed)`` when it was drawn earlier (to
+        overlap the draw with the forward pass); it must be exactly that draw.
 
     Returns:
       The privatized average gradient, one tensor per variable.
@@ -230,7 +256,7 @@ def privatize(
         sensitivity = tf.constant(clipped.l2_sensitivity, tf.float64)
         # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN.
         stddev = tf.where(sigma > 0, sigma * sensitivity, tf.zeros_like(sigma))
-        noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed)
+        noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)
         return [(g + n) * scale for g, n in zip(clipped.grads, noise)]
     check_privacy_args(
         l2_norm_clip=clipped.l2_sensitivity,
@@ -240,5 +266,5 @@ def privatize(
     if float(noise_multiplier) == 0.0:  # no noise requested (tests, non-private baselines)
         return [g * scale for g in clipped.grads]
     stddev = float(noise_multiplier) * clipped.l2_sensitivity
-    noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed)
+    noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)
     return [(g + n) * scale for g, n in zip(clipped.grads, noise)]

@@ -141,6 +141,13 @@ class DPState:
     noise_multiplier: float
 
 
+@dataclasses.dataclass(frozen=True)
+class StepNoise:
+    """A logical step's standard normal draw (see :meth:`DPOptimizer.draw_step_noise`)."""
+
+    unit: tuple[tf.Tensor, ...]
+
+
 @runtime_checkable
 class DPStateSource(Protocol):
     """What the privacy callbacks read from an optimizer: a :class:`DPState` snapshot.
@@ -191,7 +198,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self,
         inner_optimizer: Any,
         *,
-        l2_norm_clip: float | Sequence[float],
+        l2_norm_clip: float | list[float] | tuple[float, ...],
         noise_multiplier: float,
         expected_batch_size: float,
         accumulation_steps: int = 1,
@@ -366,6 +373,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
             summary, l2_norm_clip=self.l2_norm_clip, variable_groups=self.variable_groups
         )
 
+    def draw_step_noise(self, variables: Sequence[Any]) -> StepNoise | None:
+        """The current logical step's standard normal draw, to be made before the forward pass.
+
+        The draw depends only on the noise seed and ``dp_steps``, never on data, so drawing it
+        first lets it overlap the engine's forward and backward passes. None with
+        ``accumulation_steps > 1``, where most calls end no step (the draw is then made when the
+        step ends).
+
+        Privacy:
+          Exactly the draw :meth:`apply_clipped_sum` would make at the end of the step (same
+          seed, same values); pass it there for the same logical step only.
+        """
+        if self.accumulation_steps != 1:
+            return None
+        return StepNoise(unit=tuple(aggregation.standard_normal(variables, seed=self.step_seed())))
+
     def step_seed(self) -> tf.Tensor:
         """The ``[2]`` int64 seed of the current logical step's noise."""
         return tf.random.experimental.stateless_fold_in(
@@ -399,6 +422,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         variables: Sequence[Any] | None = None,
         *,
         step_end: Any = None,
+        step_noise: StepNoise | None = None,
     ) -> None:
         """Accumulates a clipped sum; at the end of a logical step noises it once and applies it.
 
@@ -409,6 +433,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
           step_end: None (a logical step ends every ``accumulation_steps`` calls) or a bool
             scalar (tensor) that is True on the last micro-batch of a logical step (then
             ``accumulation_steps`` must be 1).
+          step_noise: this step's noise draw from :meth:`draw_step_noise`, made before the
+            forward pass so that the draw overlaps it; None draws it when the step ends.
 
         Raises:
           ValueError: for mismatched gradients/variables or a sensitivity that changes between
@@ -487,8 +513,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     f"got shape {step_end.shape}."
                 )
         # Counters and accumulators change only once the checked gradients exist.
+        if step_noise is not None and not isinstance(step_noise, StepNoise):
+            raise TypeError("step_noise must come from DPOptimizer.draw_step_noise().")
         with tf.control_dependencies(grads):
-            self._update(clipped, grads, variables, step_end)
+            self._update(clipped, grads, variables, step_end, step_noise)
 
     def _update(
         self,
@@ -496,9 +524,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads: Sequence[tf.Tensor],
         variables: Sequence[Any],
         step_end: tf.Tensor | None,
+        step_noise: StepNoise | None,
     ) -> None:
         if step_end is None and self.accumulation_steps == 1:
-            self._finish(clipped, grads, variables, accumulators=None)
+            self._finish(clipped, grads, variables, accumulators=None, step_noise=step_noise)
             return
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         totals = [
@@ -509,8 +538,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         else:
             end = step_end
 
-        def finish(totals: Sequence[tf.Tensor]) -> None:
-            self._finish(clipped, totals, variables, accumulators=accumulators)
+        def finish(totals: Sequence[tf.Tensor], step_noise: StepNoise | None = step_noise) -> None:
+            self._finish(
+                clipped, totals, variables, accumulators=accumulators, step_noise=step_noise
+            )
 
         def accumulate(totals: Sequence[tf.Tensor]) -> None:
             for a, t in zip(accumulators, totals):
@@ -529,7 +560,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             end = distribution.experimental_local_results(end)[0]
             tf.cond(
                 end,
-                lambda: distribution.extended.call_for_each_replica(finish, args=(totals,)),
+                # Drawn in the branch: replica-context tensors do not cross the merge call.
+                lambda: distribution.extended.call_for_each_replica(finish, args=(totals, None)),
                 lambda: distribution.extended.call_for_each_replica(accumulate, args=(totals,)),
             )
 
@@ -542,6 +574,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         variables: Sequence[Any],
         *,
         accumulators: Sequence[Any] | None,
+        step_noise: StepNoise | None = None,
     ) -> None:
         summed = dataclasses.replace(clipped, grads=tuple(tf.cast(t, tf.float32) for t in totals))
         noised = aggregation.privatize(
@@ -549,6 +582,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             noise_multiplier=self._noise_multiplier,
             expected_batch_size=self.expected_batch_size,
             seed=self.step_seed(),
+            unit_noise=None if step_noise is None else step_noise.unit,
         )
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Every replica holds the same noised sum (same all-reduced input, same seed); the inner

@@ -81,6 +81,9 @@ def dp_step(
             "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
             "noise_multiplier=..., expected_batch_size=...)."
         )
+    variables = list(model.trainable_variables)
+    # Data-independent: drawn first, so that it overlaps the forward and backward passes.
+    step_noise = optimizer.draw_step_noise(variables)
     summary = engine.summarize(
         model,
         loss,
@@ -88,11 +91,13 @@ def dp_step(
         y,
         sample_weight=sample_weight,
         mask=mask,
-        variables=list(model.trainable_variables),
+        variables=variables,
         options=resolve(options),
     )
     clipped = optimizer.clip(summary)
-    optimizer.apply_clipped_sum(clipped, summary.variables, step_end=step_end)
+    optimizer.apply_clipped_sum(
+        clipped, summary.variables, step_end=step_end, step_noise=step_noise
+    )
     num = tf.reduce_sum(summary.mask)
     mean_loss = tf.reduce_sum(tf.cast(summary.per_example_loss, tf.float32)) / tf.maximum(num, 1.0)
     return DPStepResult(
