@@ -5,7 +5,11 @@
 """
 
 import sys
+from typing import TYPE_CHECKING
 
 import dpcore_accounting.config as _module
+
+if TYPE_CHECKING:  # type checkers do not follow the sys.modules swap below
+    from dpcore_accounting.config import *  # noqa: F403
 
 sys.modules[__name__] = _module
