@@ -44,8 +44,9 @@ class _DropConvergenceWarnings(logging.Filter):
             and record.msg.startswith(_CONVERGENCE_MESSAGE)
         ):
             args = record.args if isinstance(record.args, tuple) else ()
-            if args:
-                self.orders.append(args[-1])  # (iterations, q, sigma, alpha)
+            alpha = args[-1] if args else None  # (iterations, q, sigma, alpha)
+            if isinstance(alpha, (int, float)):
+                self.orders.append(alpha)
             return False
         return True
 

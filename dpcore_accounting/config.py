@@ -209,7 +209,12 @@ class DPConfig:
     # ---------------------------------------------------------------------- constructors
     @classmethod
     def _steps_for_epochs(
-        cls, epochs: Any, *, num_examples: int, expected_batch_size: float, sampling: str
+        cls,
+        epochs: object,
+        *,
+        num_examples: int | None,
+        expected_batch_size: float | None,
+        sampling: str,
     ) -> int:
         if not ev._is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
             raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")

@@ -21,7 +21,8 @@ Contract:
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import TypeGuard
 
 import dp_accounting
 from dp_accounting import pld
@@ -51,25 +52,25 @@ NEIGHBORING_RELATIONS = {
 
 
 # ------------------------------------------------------------------------------- validation
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_sampling_prob(sampling_prob: Any, name: str = "sampling_prob") -> float:
+def check_sampling_prob(sampling_prob: object, name: str = "sampling_prob") -> float:
     """Returns `sampling_prob` as a float in (0, 1], else raises ValueError."""
     if not _is_number(sampling_prob) or not 0.0 < float(sampling_prob) <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {sampling_prob!r}.")
     return float(sampling_prob)
 
 
-def check_delta(target_delta: Any, name: str = "target_delta") -> float:
+def check_delta(target_delta: object, name: str = "target_delta") -> float:
     """Returns `target_delta` as a float in (0, 1), else raises ValueError."""
     if not _is_number(target_delta) or not 0.0 < float(target_delta) < 1.0:
         raise ValueError(f"{name} must be in (0, 1), got {target_delta!r}.")
     return float(target_delta)
 
 
-def check_epsilon(target_epsilon: Any, name: str = "target_epsilon") -> float:
+def check_epsilon(target_epsilon: object, name: str = "target_epsilon") -> float:
     """Returns `target_epsilon` as a finite float > 0, else raises ValueError."""
     if (
         not _is_number(target_epsilon)
@@ -80,7 +81,7 @@ def check_epsilon(target_epsilon: Any, name: str = "target_epsilon") -> float:
     return float(target_epsilon)
 
 
-def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier") -> float:
+def check_noise_multiplier(noise_multiplier: object, name: str = "noise_multiplier") -> float:
     """Returns `noise_multiplier` as a finite float >= 0, else raises ValueError."""
     if (
         not _is_number(noise_multiplier)
@@ -91,15 +92,19 @@ def check_noise_multiplier(noise_multiplier: Any, name: str = "noise_multiplier"
     return float(noise_multiplier)
 
 
-def check_positive_int(value: Any, name: str) -> int:
+def check_positive_int(value: object, name: str) -> int:
     """Returns `value` as an int >= 1 (integral floats accepted), else raises ValueError."""
-    ok = _is_number(value) and math.isfinite(float(value)) and float(value) == int(value)
-    if not ok or int(value) < 1:
+    if not (
+        _is_number(value)
+        and math.isfinite(float(value))
+        and float(value) == int(value)
+        and int(value) >= 1
+    ):
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
     return int(value)
 
 
-def check_choice(value: Any, choices: Any, name: str) -> str:
+def check_choice(value: object, choices: Iterable[str], name: str) -> str:
     """Returns `value` if it is one of `choices`, else raises ValueError."""
     if value not in tuple(choices):
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}.")
