@@ -161,7 +161,7 @@ def _offset_per_example(layer: Any, uses: Sequence[Use]) -> list[tf.Tensor] | No
         # Channels first once, so that each offset's slice is a [C_in, T] matrix per example and
         # its product with the [T, P] output gradients needs no transposed operand.
         a = tf.transpose(a, [0, layer.rank + 1, *range(1, layer.rank + 1)])
-        offsets = [()]
+        offsets: list[tuple[int, ...]] = [()]
         for k in layer.kernel_size:
             offsets = [o + (i,) for o in offsets for i in range(int(k))]
         per_offset: list[tf.Tensor] = []
@@ -246,22 +246,26 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     return out
 
 
-def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
-    window, cin_g, groups, cout_g = _dims(layer)
+def _output_positions(layer: Any, input_shapes: Sequence[Any]) -> int | None:
+    """``T``: output positions summed over the layer's uses (None if any is unknown)."""
     t = 0
     for shape in input_shapes:
         if shape is None:
-            t = None
-            break
+            return None
         out_shape = layer.compute_output_shape(tuple(shape))
         spatial = out_shape[1:-1] if layer.data_format == "channels_last" else out_shape[2:]
         if None in spatial:
-            t = None
-            break
+            return None
         n = 1
         for s in spatial:
             n *= int(s)
         t += n
+    return t
+
+
+def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
+    window, cin_g, groups, cout_g = _dims(layer)
+    t = _output_positions(layer, input_shapes)
     path, why = linear.choose_path(t, window * cin_g, cout_g)
     if groups > 1:
         why = f"{groups} groups; {why}"

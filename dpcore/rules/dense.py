@@ -11,8 +11,8 @@ position axis, so cross terms between uses are counted.
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, SupportsInt
 
 import keras
 import tensorflow as tf
@@ -62,7 +62,8 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
 def _dense_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
     d, p = int(layer.kernel.shape[0]), int(layer.kernel.shape[1])
     positions = [linear.static_positions(s) if s is not None else None for s in input_shapes]
-    t = None if (not positions or None in positions) else sum(positions)
+    known = [n for n in positions if n is not None]
+    t = sum(known) if positions and len(known) == len(positions) else None
     path, why = linear.choose_path(t, d, p)
     if len(input_shapes) > 1:
         why = f"used {len(input_shapes)} times, uses concatenated; {why}"
@@ -191,7 +192,7 @@ def _einsum_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     return out
 
 
-def _prod(values) -> int:
+def _prod(values: Iterable[SupportsInt]) -> int:
     out = 1
     for v in values:
         out *= int(v)
@@ -211,8 +212,7 @@ def _einsum_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
     for shape in input_shapes:
         dims = [shape[s["x"].index(c)] for c in s["t"] if c in s["x"]]
         if None in dims:
-            t = None
-            break
+            return linear.choose_path(None, d, p)
         t += _prod(dims)
     return linear.choose_path(t, d, p)
 

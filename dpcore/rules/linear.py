@@ -11,6 +11,8 @@ packing per-example gradients as a :class:`~dpcore.rules.base.VariableGrad` is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import tensorflow as tf
 
 from dpcore import norms
@@ -77,7 +79,7 @@ def as_sequence(t: tf.Tensor) -> tf.Tensor:
     return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
 
 
-def static_positions(shape) -> int | None:
+def static_positions(shape: Iterable[int | None]) -> int | None:
     """``T`` from a static ``[B, ..., C]`` shape (None if any middle dimension is unknown)."""
     dims = list(shape)[1:-1]
     t = 1
