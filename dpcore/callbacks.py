@@ -266,7 +266,7 @@ class EpsilonCallback(keras.callbacks.Callback):
         self._sigma = _current_noise(self.model, self.config.noise_multiplier)
         applied = _read_dp_steps(self.model)
         self._use_counter = applied is not None
-        if self._use_counter:
+        if applied is not None:
             _sync_ledger(self.ledger, applied, self.config, self._sigma)
             self._synced = int(applied)
         else:

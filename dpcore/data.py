@@ -43,7 +43,7 @@ IDX_FILES = {
 }
 
 # IDX type codes (third byte of the magic number) -> big-endian numpy dtypes.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

@@ -33,14 +33,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from dpcore import sampling, validation
-from dpcore.losses import per_example_loss_fn
+from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
 from dpcore.step import dp_step
@@ -194,7 +194,7 @@ class DPModel(keras.Model):
         # The sampling the last fit's data carried (None: arrays, plain or untagged datasets).
         self.sampling_spec: sampling.SamplingSpec | None = None
         self._whole_steps = False  # a train-function call runs whole logical steps
-        self._per_example_loss = None
+        self._per_example_loss: PerExampleLoss | None = None
         if model.built:  # the wrapper owns no variables of its own
             self.built = True
 
@@ -339,7 +339,7 @@ class DPModel(keras.Model):
                     ) from end
             return logs
 
-        self.train_function = whole_steps
+        self.train_function: Callable[[Any], Any] = whole_steps
         return whole_steps
 
     def _step_open(self) -> bool:
@@ -541,7 +541,7 @@ def make_private(
     loss: Any,
     metrics: Any = None,
     weighted_metrics: Any = None,
-    l2_norm_clip: float | Sequence[float] | None = None,
+    l2_norm_clip: float | list[float] | tuple[float, ...] | None = None,
     noise_multiplier: float | None = None,
     expected_batch_size: float | None = None,
     accumulation_steps: int | None = None,
@@ -581,7 +581,7 @@ def make_private(
       Training the returned model with ``fit`` releases only Gaussian-privatized updates; account
       for them with the sampler's sampling probability and the optimizer's ``dp_steps``.
     """
-    params = {
+    params: dict[str, Any] = {
         "l2_norm_clip": l2_norm_clip,
         "noise_multiplier": noise_multiplier,
         "expected_batch_size": expected_batch_size,

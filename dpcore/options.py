@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotation only: options imports no rules at run time
+    from dpcore.rules.base import Registry
 
 METHODS = ("auto", "vectorized", "fast")
 NONFINITE_MODES = ("raise", "skip")
@@ -49,7 +52,7 @@ class ExecutionOptions:
     chunk_size: int | None = None
     nonfinite: str = "raise"
     wrt_inputs: bool = False
-    registry: Mapping[type, Any] | None = dataclasses.field(default=None, compare=False)
+    registry: Registry | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -371,8 +371,11 @@ def with_sampling_spec(dataset: tf.data.Dataset, spec: SamplingSpec) -> tf.data.
     if not isinstance(spec, SamplingSpec):
         raise TypeError(f"spec must be a dpcore.sampling.SamplingSpec, got {spec!r}.")
     element = as_sampled_batch(dataset.element_spec)
-    ok = element is not None and element.step_end.shape.rank == 0
-    if not ok or element.mask.shape.as_list() != [spec.padded_batch_size]:
+    if (
+        element is None
+        or element.step_end.shape.rank != 0
+        or element.mask.shape.as_list() != [spec.padded_batch_size]
+    ):
         raise ValueError(
             f"with_sampling_spec needs (x, y, mask, step_end) elements with a mask of shape "
             f"[{spec.padded_batch_size}] (the spec's padded_batch_size), got "
@@ -441,7 +444,7 @@ def _chunked(xs: Any, ys: Any, indices: tf.Tensor, padded_size: int) -> tf.data.
     p = tf.constant(padded_size, tf.int64)
     num_chunks = tf.maximum(tf.constant(1, tf.int64), (count + p - 1) // p)
 
-    def chunk(c: tf.Tensor):
+    def chunk(c: tf.Tensor) -> SampledBatch:
         sel = indices[c * p : (c + 1) * p]
         real = tf.shape(sel)[0]
         mask = tf.concat(
@@ -587,7 +590,7 @@ def shuffled_batches(
             perm = tf.argsort(u, stable=True)
             num_batches = (n + b - 1) // b
 
-            def one(i: tf.Tensor):
+            def one(i: tf.Tensor) -> tf.data.Dataset:
                 sel = perm[i * b : (i + 1) * b]
                 sel = tf.cast(sel, tf.int64)
                 return _chunked(xs, ys, sel, b)

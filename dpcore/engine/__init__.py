@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,7 +131,7 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_COMPILED_PER_MODEL = 16
 
 
-def _compiled(model: Any, key: tuple, build) -> Any:
+def _compiled(model: Any, key: tuple, build: Callable[..., Any]) -> Any:
     per_model = _COMPILED.setdefault(model, collections.OrderedDict())
     if key in per_model:
         per_model.move_to_end(key)
@@ -142,7 +142,7 @@ def _compiled(model: Any, key: tuple, build) -> Any:
     return per_model[key]
 
 
-def _run(model: Any, key: tuple, build, *args) -> Any:
+def _run(model: Any, key: tuple, build: Callable[..., Any], *args: Any) -> Any:
     if tf.inside_function():
         return build(*args)
     return _compiled(model, key, build)(*args)
@@ -187,7 +187,7 @@ def per_example_gradients(
     variables = check_variables(model.trainable_variables if variables is None else variables)
     loss_fn = per_example_loss_fn(loss)
 
-    def build(x, y, sample_weight, mask):
+    def build(x: Any, y: Any, sample_weight: Any, mask: Any) -> Any:
         xp, yp, sw, mk = prepare_batch(x, y, sample_weight, mask, nonfinite=options.nonfinite)
         validation.check_model(model, xp, training=options.training, require_variables=False)
         grads, in_grads, _, _ = materialize(
@@ -229,7 +229,7 @@ def per_example_norms(
     options = resolve(options)
     variables = check_variables(model.trainable_variables if variables is None else variables)
 
-    def build(x, y, sample_weight, mask):
+    def build(x: Any, y: Any, sample_weight: Any, mask: Any) -> tf.Tensor:
         s = summarize(
             model,
             loss,
@@ -249,7 +249,9 @@ def per_example_norms(
     return _run(model, key, build, x, y, sample_weight, mask)
 
 
-def _key(kind: str, loss: Any, variables: Sequence[Any], options: ExecutionOptions, *opt) -> tuple:
+def _key(
+    kind: str, loss: Any, variables: Sequence[Any], options: ExecutionOptions, *opt: Any
+) -> tuple:
     """Cache key of a compiled eager entry point: what changes the traced program."""
     return (
         kind,

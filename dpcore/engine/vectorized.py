@@ -33,7 +33,9 @@ def _per_example_fn(
     training: bool,
     wrt_inputs: bool,
 ) -> Callable:
-    def fn(args):
+    def fn(
+        args: tuple[Any, Any, tf.Tensor],
+    ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
         xi, yi, wi = args
         xb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
         yb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), yi)
@@ -131,7 +133,7 @@ def materialize(
     b = tf.shape(weights)[0]
     chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
 
-    def per_chunk(elems):
+    def per_chunk(elems: Any) -> Any:
         return _map(fn, elems, model)
 
     out = tf.map_fn(
@@ -152,12 +154,22 @@ def _pad_to_chunks(t: tf.Tensor, chunk: int) -> tf.Tensor:
     return tf.reshape(t, tf.concat([[padded // chunk, chunk], tf.shape(t)[1:]], 0))
 
 
-def _chunked_summary(model, loss_fn, x, y, weights, variables, *, training, chunk_size):
+def _chunked_summary(
+    model: Any,
+    loss_fn: Callable,
+    x: Any,
+    y: Any,
+    weights: tf.Tensor,
+    variables: Sequence[Any],
+    *,
+    training: bool,
+    chunk_size: int,
+) -> tuple[tf.Tensor, tf.Tensor, Any, Callable[[tf.Tensor], list[tf.Tensor]]]:
     b = tf.shape(weights)[0]
     chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
     fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=False)
 
-    def norms_of_chunk(elems):
+    def norms_of_chunk(elems: Any) -> tuple[tf.Tensor, tf.Tensor, Any]:
         grads, _, loss, y_pred = _map(fn, elems, model)
         return _flat_sq_norms(grads), loss, y_pred
 
@@ -175,7 +187,7 @@ def _chunked_summary(model, loss_fn, x, y, weights, variables, *, training, chun
         cw = _pad_to_chunks(clip_weights, chunk_size)
         acc = [tf.zeros(v.shape, tf.float32) for v in variables]
 
-        def body(k, acc):
+        def body(k: tf.Tensor, acc: list[tf.Tensor]) -> tuple[tf.Tensor, list[tf.Tensor]]:
             elems = tf.nest.map_structure(lambda t: t[k], chunks)
             grads, _, _, _ = _map(fn, elems, model)
             return k + 1, [a + s for a, s in zip(acc, _weighted(grads, cw[k]))]
