@@ -28,8 +28,10 @@ data:
 
 test: $(STAMP) data
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
+	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
 	$(VENV)/bin/python -m ruff format --check dpcore dpcore_accounting experiments tests
+	$(VENV)/bin/python -m mypy
