@@ -31,7 +31,6 @@ Example (two of the acceptance runs recorded in PRIVACY.md):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -39,6 +38,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+from dpcore_experiments import common
 from dpcore_experiments.train import DATASETS, MODELS, build_model
 
 SCORES = ("loss", "loss_decrease")
@@ -144,10 +144,20 @@ class SamplingPlan:
 
 def sampling_plan(settings: AuditSettings, pool_size: int, num_examples: int) -> SamplingPlan:
     """q and the steps from the pool (coin-independent); the divisor from the realized set."""
-    q = min(settings.batch_size, pool_size) / pool_size
+    from dpcore.config import DPConfig
+
+    batch = min(settings.batch_size, pool_size)
+    steps = DPConfig.from_epochs(  # DPConfig's steps for E epochs: ceil(E / q)
+        epochs=settings.epochs,
+        l2_norm_clip=settings.l2_norm_clip,
+        noise_multiplier=0.0,
+        expected_batch_size=batch,
+        num_examples=pool_size,
+    ).steps
+    q = batch / pool_size
     return SamplingPlan(
         sampling_prob=q,
-        steps=max(1, math.ceil(settings.epochs / q - 1e-9)),
+        steps=steps,
         num_examples=num_examples,
         expected_batch_size=q * num_examples,
     )
@@ -302,9 +312,9 @@ def run_audit(settings: AuditSettings) -> dict[str, Any]:
     }
     results["claimed_epsilon"] = results["privacy"]["epsilon"]
     if settings.out_dir:
-        os.makedirs(settings.out_dir, exist_ok=True)
-        with open(os.path.join(settings.out_dir, RESULTS_FILE), "w") as f:
-            json.dump(results, f, indent=2, sort_keys=True, default=str)
+        common.write_json_atomic(
+            os.path.join(settings.out_dir, RESULTS_FILE), results, sort_keys=True, default=str
+        )
         plot(results, os.path.join(settings.out_dir, PLOT_FILE))
     return results
 

@@ -13,8 +13,18 @@ With ``--peer``, the same rows are produced for TensorFlow Privacy 0.9.0 by
 ``experiments/peer_bench.py`` in its own TensorFlow 2.15 virtual environment; each peer row's
 ratio is to the peer's own non-private step.
 
-Methods (dpcore side):
-  nonprivate  mean loss, one backward pass, apply.
+Methods (dpcore side), the path users run (ratios to the plain Keras ``fit`` row):
+  nonprivate        plain Keras: ``model.compile(SGD, loss)`` and ``fit`` (mean loss, one
+                    backward pass, apply). Timed per step inside one ``fit`` call.
+  make_private_fit  ``dpcore.make_private(model, ...)`` and ``fit`` on the same model, batches
+                    and optimizer, default ``ExecutionOptions``; timed like ``nonprivate``.
+  dp_train_step     ``dpcore.dp_train_step`` with a ``DPOptimizer`` inside the user's own
+                    ``tf.function`` (the custom-training-loop path).
+
+Engine-level breakdown (a hand-written step around one engine call; ratios to
+``nonprivate_step`` when that row is run, else to ``nonprivate``):
+  nonprivate_step   mean loss, one backward pass, apply, in one ``tf.function`` (no Keras
+                    ``fit`` machinery): the breakdown's baseline.
   loop        a ``tf.while_loop`` over examples, batch size 1 each: per-example gradient, clip,
               accumulate (the textbook reference; slow).
   jacobian    ``tape.jacobian`` of the ``[B]`` per-example losses (what TF Privacy's
@@ -31,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,15 +49,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
+from dpcore_experiments import common, zoo
 
-MODELS = ("mlp", "cnn", "text", "transformer")
-METHODS = ("nonprivate", "loop", "jacobian", "vectorized", "fast")
+MODELS = zoo.BENCH_MODELS
+USER_METHODS = ("nonprivate", "make_private_fit", "dp_train_step")
+ENGINE_METHODS = ("nonprivate_step", "loop", "jacobian", "vectorized", "fast")
+METHODS = USER_METHODS + ENGINE_METHODS
+FIT_METHODS = ("nonprivate", "make_private_fit")
 SLOW_METHODS = ("loop", "jacobian")
 PEER_METHODS = ("nonprivate", "dpkeras", "dpsequential", "vectorized")
 RESULT_PREFIX = "BENCH_RESULT "
-NUM_CLASSES = {"mlp": 10, "cnn": 10, "text": 2, "transformer": 2}
-TEXT_VOCAB, TEXT_SEQ, TEXT_DIM = 20000, 256, 64
-TRANSFORMER_SEQ, TRANSFORMER_DIM = 128, 128
 
 FLAGS = flags.FLAGS
 
@@ -107,7 +117,7 @@ def _define_flags() -> None:
 
 
 def build_model(name: str, *, seed: int = 0) -> Any:
-    """The benchmark model of that name (a built Keras 3 model).
+    """The benchmark model of that name (a built Keras 3 model; :mod:`dpcore_experiments.zoo`).
 
     Args:
       name: one of ``MODELS``.
@@ -119,69 +129,12 @@ def build_model(name: str, *, seed: int = 0) -> Any:
     import keras
 
     keras.utils.set_random_seed(seed)
-    layers = keras.layers
-    if name == "mlp":
-        return keras.Sequential(
-            [
-                keras.Input((784,)),
-                layers.Dense(512, activation="relu"),
-                layers.Dense(256, activation="relu"),
-                layers.Dense(10),
-            ],
-            name="mlp",
-        )
-    if name == "cnn":  # the end-to-end tanh CNN of Tramer & Boneh (2021), 28x28 inputs
-        return keras.Sequential(
-            [
-                keras.Input((28, 28, 1)),
-                layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
-                layers.MaxPooling2D(2, strides=1),
-                layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
-                layers.MaxPooling2D(2, strides=1),
-                layers.Flatten(),
-                layers.Dense(32, activation="tanh"),
-                layers.Dense(10),
-            ],
-            name="cnn",
-        )
-    if name == "text":
-        inputs = keras.Input((TEXT_SEQ,), dtype="int32")
-        h = layers.Embedding(TEXT_VOCAB, TEXT_DIM)(inputs)
-        h = layers.Conv1D(64, 5, activation="relu")(h)
-        h = layers.GlobalMaxPooling1D()(h)
-        h = layers.Dense(64, activation="relu")(h)
-        return keras.Model(inputs, layers.Dense(2)(h), name="text")
-    if name == "transformer":  # 2 encoder blocks on [seq, d] float features (no embedding)
-        inputs = keras.Input((TRANSFORMER_SEQ, TRANSFORMER_DIM))
-        h = inputs
-        for _ in range(2):
-            a = layers.MultiHeadAttention(num_heads=4, key_dim=TRANSFORMER_DIM // 4)(h, h)
-            h = layers.LayerNormalization()(h + a)
-            f = layers.Dense(2 * TRANSFORMER_DIM, activation="relu")(h)
-            f = layers.Dense(TRANSFORMER_DIM)(f)
-            h = layers.LayerNormalization()(h + f)
-        h = layers.GlobalAveragePooling1D()(h)
-        return keras.Model(inputs, layers.Dense(2)(h), name="transformer")
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}.")
+    return zoo.build_bench_model(keras, name)
 
 
 def make_batch(name: str, batch_size: int, *, seed: int = 0) -> tuple[Any, Any]:
     """A synthetic batch ``(x, y)`` (numpy) for the model of that name."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    y = rng.integers(0, NUM_CLASSES[name], batch_size).astype("int32")
-    if name == "mlp":
-        x = rng.random((batch_size, 784), dtype=np.float32)
-    elif name == "cnn":
-        x = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
-    elif name == "text":
-        x = rng.integers(0, TEXT_VOCAB, (batch_size, TEXT_SEQ)).astype("int32")
-    elif name == "transformer":
-        x = rng.normal(size=(batch_size, TRANSFORMER_SEQ, TRANSFORMER_DIM)).astype("float32")
-    else:
-        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}.")
-    return x, y
+    return zoo.make_bench_batch(name, batch_size, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +151,7 @@ def _summary_from_grads(variables, grads, losses, y_pred) -> Any:
     """A GradientSummary over materialized per-example gradients ``[B, *var.shape]``."""
     import tensorflow as tf
 
+    from dpcore import norms
     from dpcore.engine.summary import GradientSummary
 
     flat = [tf.reshape(g, [tf.shape(g)[0], -1]) for g in grads]
@@ -223,6 +177,7 @@ def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -
     """Clipped sum by a loop over examples, one batch-size-1 backward pass each."""
     import tensorflow as tf
 
+    from dpcore import norms as dp_norms
     from dpcore.aggregation import ClippedSum, clip_factors
 
     b = tf.shape(y)[0]
@@ -254,6 +209,45 @@ def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -
     )
 
 
+def make_fit_model(
+    model: Any,
+    method: str,
+    *,
+    batch_size: int,
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    learning_rate: float,
+) -> Any:
+    """The compiled model whose ``fit`` a ``nonprivate`` / ``make_private_fit`` row runs.
+
+    Both compile the same model with SGD and the same loss (no metrics); ``make_private_fit``
+    wraps it with ``dpcore.make_private`` (default :class:`dpcore.ExecutionOptions`).
+
+    Privacy:
+      ``make_private_fit`` clips and noises every step (benchmark only: synthetic data, no
+      accounting).
+    """
+    import keras
+
+    optimizer = keras.optimizers.SGD(learning_rate=learning_rate)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if method == "nonprivate":
+        model.compile(optimizer=optimizer, loss=loss)
+        return model
+    if method != "make_private_fit":
+        raise ValueError(f"method={method!r}; expected one of {FIT_METHODS}.")
+    import dpcore
+
+    return dpcore.make_private(
+        model,
+        optimizer=optimizer,
+        loss=loss,
+        l2_norm_clip=l2_norm_clip,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=batch_size,
+    )
+
+
 def make_train_step(
     model: Any,
     method: str,
@@ -264,7 +258,11 @@ def make_train_step(
     learning_rate: float,
     info: dict | None = None,
 ) -> Callable[[Any, Any], Any]:
-    """One compiled training step ``step(x, y) -> loss`` for the given method.
+    """One training step ``step(x, y) -> loss`` for the given method.
+
+    ``nonprivate`` and ``make_private_fit`` return one ``fit`` call on the one batch (for tests
+    and profiling; :func:`measure` times their steps inside a single ``fit``). The others return
+    a ``tf.function``.
 
     Args:
       model: a built Keras model.
@@ -290,6 +288,22 @@ def make_train_step(
 
     if method not in METHODS:
         raise ValueError(f"method={method!r}; expected one of {METHODS}.")
+    if method in FIT_METHODS:
+        fit_model = make_fit_model(
+            model,
+            method,
+            batch_size=batch_size,
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            learning_rate=learning_rate,
+        )
+
+        def fit_step(x, y):
+            ds = tf.data.Dataset.from_tensors((x, y))
+            return fit_model.fit(ds, epochs=1, verbose=0, shuffle=False).history["loss"][-1]
+
+        fit_step.fit_model = fit_model  # measure() times its steps inside one fit
+        return fit_step
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     variables = list(model.trainable_variables)
     opt = keras.optimizers.SGD(learning_rate=learning_rate)
@@ -309,9 +323,25 @@ def make_train_step(
         opt.apply(grads, variables)
         return tf.reduce_mean(clipped.per_example_loss)
 
+    if method == "dp_train_step":
+        import dpcore
+
+        dp_optimizer = dpcore.DPOptimizer(
+            keras.optimizers.SGD(learning_rate=learning_rate),
+            l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=batch_size,
+        )
+
+        @tf.function
+        def custom_loop_step(x, y):
+            return dpcore.dp_train_step(model, loss_fn, x, y, optimizer=dp_optimizer)
+
+        return custom_loop_step
+
     @tf.function
     def step(x, y):
-        if method == "nonprivate":
+        if method == "nonprivate_step":
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(loss_fn(y, model(x, training=True)))
             opt.apply(tape.gradient(loss, variables), variables)
@@ -339,27 +369,6 @@ def make_train_step(
 
 # ---------------------------------------------------------------------------------------------
 # Measuring one configuration (inside its own process).
-
-
-def _proc_status_kb(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Resets this process's VmHWM (Linux >= 4.0); False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _gpu_memory(reset: bool = False) -> float | None:
@@ -442,23 +451,36 @@ def measure(
         learning_rate=learning_rate,
         info=info,
     )
+    if method in FIT_METHODS:
+        # make_train_step compiled the model (or its DPModel) for this fit; time its steps
+        # inside fit itself, with the same batch each step.
+        fit_model = step.fit_model
+
+        def run_steps(n: int) -> tuple[list[float], float]:
+            return _timed_fit(fit_model, x, y, n)
+
+    else:
+
+        def run_steps(n: int) -> tuple[list[float], float]:
+            times, loss = [], float("nan")
+            for _ in range(n):
+                t0 = time.perf_counter()
+                loss = float(step(x, y))
+                times.append((time.perf_counter() - t0) * 1000.0)
+            return times, loss
+
     t0 = time.perf_counter()
-    loss = float(step(x, y))
+    _, loss = run_steps(1)
     trace_s = last_s = time.perf_counter() - t0
-    for _ in range(max(warmup - 1, 0)):
-        t0 = time.perf_counter()
-        loss = float(step(x, y))
-        last_s = time.perf_counter() - t0
+    if warmup > 1:
+        warm, loss = run_steps(warmup - 1)
+        last_s = warm[-1] / 1000.0
     steps = planned_steps(steps, last_s, step_budget_s)
-    rss_before_mb = (_proc_status_kb("VmRSS") or 0.0) / 1024
-    hwm_reset = _reset_peak_rss()
+    rss_before_mb = (common.proc_status_kb("VmRSS") or 0.0) / 1024
+    hwm_reset = common.reset_peak_rss()
     _gpu_memory(reset=True)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        loss = float(step(x, y))
-        times.append((time.perf_counter() - t0) * 1000.0)
-    step_peak = _proc_status_kb("VmHWM") if hwm_reset else None
+    times, loss = run_steps(steps)
+    step_peak = common.proc_status_kb("VmHWM") if hwm_reset else None
     top = (
         profile_top_ops(step, (x, y), top=profile_ops, steps=profile_steps) if profile_ops else None
     )
@@ -469,7 +491,7 @@ def measure(
         "step_ms": [round(t, 3) for t in times],
         "steps_timed": steps,
         "trace_s": round(trace_s, 3),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": common.peak_rss_mb(),
         "step_peak_rss_mb": None if step_peak is None else step_peak / 1024,
         "rss_before_steps_mb": rss_before_mb,
         "peak_device_mb": _gpu_memory(),
@@ -477,6 +499,43 @@ def measure(
         "final_loss": loss,
         "paths": path_counts(info.get("paths", {})),
     }
+
+
+def _timed_fit(model: Any, x: Any, y: Any, steps: int) -> tuple[list[float], float]:
+    """Milliseconds of each of ``steps`` steps of one ``model.fit`` on the batch ``(x, y)``.
+
+    A step is timed from the end of the previous one to its end, so the fit loop's own work
+    between steps (the next batch, the callbacks) counts too.
+
+    Returns:
+      ``(times_ms, last_loss)``.
+    """
+    import keras
+    import tensorflow as tf
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+            self.loss = float("nan")
+            self.last = 0.0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                self.last = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if logs and "loss" in logs:
+                self.loss = float(logs["loss"])  # waits for the step's result
+            now = time.perf_counter()
+            self.times.append((now - self.last) * 1000.0)
+            self.last = now
+
+    timer = StepTimer()
+    # One untimed step first: the fit's first step also starts its dataset iterator.
+    data = tf.data.Dataset.from_tensors((x, y)).repeat(steps + 1)
+    model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+    return timer.times[1:], timer.loss
 
 
 def profile_top_ops(step: Callable, args: tuple, *, top: int, steps: int = 5) -> list[dict]:
@@ -537,17 +596,6 @@ def profile_top_ops(step: Callable, args: tuple, *, top: int, steps: int = 5) ->
 # The parent: one subprocess per configuration.
 
 
-def _child_rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return float(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def run_subprocess(
     cmd: Sequence[str], *, timeout_s: float, max_rss_mb: float, env: dict | None = None
 ) -> dict:
@@ -564,7 +612,7 @@ def run_subprocess(
     )
     status, max_seen = None, 0.0
     while proc.poll() is None:
-        max_seen = max(max_seen, _child_rss_mb(proc.pid))
+        max_seen = max(max_seen, (common.proc_status_kb("VmRSS", proc.pid) or 0.0) / 1024)
         if max_seen > max_rss_mb:
             status = "memory_cap"
         elif time.perf_counter() - start > timeout_s:
@@ -625,14 +673,25 @@ def child_main(spec: str) -> None:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Adds each row's time and memory ratios to the non-private row of its impl/model/batch."""
-    base = {
-        (r["impl"], r["model"], r["batch_size"]): r
+    """Adds each row's time and memory ratios to its baseline row of the same impl/model/batch.
+
+    The baseline (``baseline`` in the row) is ``nonprivate`` (dpcore: plain Keras ``fit``; the
+    peer: its own non-private step), except that dpcore's engine-level breakdown rows
+    (``ENGINE_METHODS``) compare to ``nonprivate_step`` when that row was run.
+    """
+    ok_rows = {
+        (r["impl"], r["model"], r["batch_size"], r["method"]): r
         for r in rows
-        if r["method"] == "nonprivate" and r.get("status") == "ok"
+        if r.get("status") == "ok"
     }
     for r in rows:
-        b = base.get((r["impl"], r["model"], r["batch_size"]))
+        key = (r["impl"], r["model"], r["batch_size"])
+        baseline = "nonprivate"
+        if r["impl"] == "dpcore" and r["method"] in ENGINE_METHODS:
+            if (*key, "nonprivate_step") in ok_rows:
+                baseline = "nonprivate_step"
+        r["baseline"] = baseline
+        b = ok_rows.get((*key, baseline))
         ok = r.get("status") == "ok" and b is not None
         r["ratio_to_nonprivate"] = r["median_ms"] / b["median_ms"] if ok else None
         # Fastest step over fastest step: less sensitive to other load on a shared machine.
@@ -649,12 +708,33 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _column(impl: str, method: str) -> str:
+    """A method's column head: user path as is, engine breakdown and peer labelled."""
+    if impl != "dpcore":
+        return f"peer {method}"
+    return f"{method} (engine)" if method in ENGINE_METHODS else method
+
+
+def _baseline_label(row: dict) -> str:
+    base = row.get("baseline")
+    if base is None:
+        return "-"
+    if row["impl"] == "dpcore" and base == "nonprivate":
+        return "Keras fit"
+    return base
+
+
 def format_tables(rows: list[dict]) -> str:
-    """Markdown: a full table of rows and a compact ratio table per (model, batch)."""
+    """Markdown: a full table of rows and a compact ratio table per (model, batch).
+
+    Each row's ratio is to its ``baseline`` (see :func:`add_ratios`): the user-path rows to the
+    plain Keras ``fit`` row, the engine-level breakdown rows (marked "engine") to
+    ``nonprivate_step`` where it was run.
+    """
     lines = [
-        "| model | batch | impl | method | median ms | x non-private | peak RSS MB "
+        "| model | batch | impl | method | median ms | x baseline | baseline | peak RSS MB "
         "| step peak RSS MB | x RSS (step) | status / note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         note = r.get("status", "")
@@ -663,8 +743,9 @@ def format_tables(rows: list[dict]) -> str:
         if r.get("paths") and r["method"] in ("fast", "dpsequential"):
             note += " paths " + ",".join(f"{k}={v}" for k, v in sorted(r["paths"].items()))
         lines.append(
-            f"| {r['model']} | {r['batch_size']} | {r['impl']} | {r['method']} "
+            f"| {r['model']} | {r['batch_size']} | {r['impl']} | {_column(r['impl'], r['method'])} "
             f"| {_fmt(r.get('median_ms'))} | {_fmt(r.get('ratio_to_nonprivate'), '.2f')} "
+            f"| {_baseline_label(r)} "
             f"| {_fmt(r.get('peak_rss_mb'), '.0f')} | {_fmt(r.get('step_peak_rss_mb'), '.0f')} "
             f"| {_fmt(r.get('step_rss_ratio_to_nonprivate'), '.2f')} | {note} |"
         )
@@ -673,9 +754,7 @@ def format_tables(rows: list[dict]) -> str:
         key = (r["impl"], r["method"])
         if r["method"] != "nonprivate" and key not in cols:
             cols.append(key)
-    head = ["model", "batch", "non-private ms"] + [
-        m if i == "dpcore" else f"peer {m}" for i, m in cols
-    ]
+    head = ["model", "batch", "non-private ms"] + [_column(i, m) for i, m in cols]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = []
     for r in rows:
@@ -800,15 +879,8 @@ def run_benchmark() -> list[dict]:
         )
         rows.append(row)
         if FLAGS.json:  # rows so far, so an interrupted run keeps what it measured
-            _write_json(FLAGS.json, add_ratios([dict(r) for r in rows]))
+            common.write_json_atomic(FLAGS.json, add_ratios([dict(r) for r in rows]), indent=1)
     return add_ratios(rows)
-
-
-def _write_json(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -820,7 +892,7 @@ def main(argv: Sequence[str]) -> None:
     tables = format_tables(rows)
     print(tables)
     if FLAGS.json:
-        _write_json(FLAGS.json, rows)
+        common.write_json_atomic(FLAGS.json, rows, indent=1)
     if FLAGS.markdown:
         with open(FLAGS.markdown, "w") as f:
             f.write(tables)

@@ -19,12 +19,12 @@ Usage:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from absl import app, flags
+from dpcore_experiments import common, zoo
 
 FLAGS = flags.FLAGS
 
@@ -56,13 +56,7 @@ def build_mlp(input_shape: Sequence[int], classes: int, *, hidden: int, seed: in
 
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
-        [
-            keras.Input(tuple(input_shape)),
-            keras.layers.Flatten(),
-            keras.layers.Dense(hidden, activation="tanh"),
-            keras.layers.Dense(classes),
-        ],
-        name="mlp",
+        zoo.tanh_mlp_layers(keras, input_shape, classes, hidden=hidden), name="mlp"
     )
 
 
@@ -339,8 +333,7 @@ def main(argv: Sequence[str]) -> None:
     print(f"dataset: {FLAGS.dataset} ({len(x_train)} training examples)")
     print(format_table(result))
     if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            json.dump(result, f, indent=1)
+        common.write_json_atomic(FLAGS.json, result, indent=1)
         print(f"wrote {FLAGS.json}")
     if FLAGS.png and plot(result, FLAGS.png):
         print(f"wrote {FLAGS.png}")

@@ -2,7 +2,8 @@
 
 Contract: runs inside the peer's own environment (TensorFlow 2.15.1, Keras 2,
 tensorflow-privacy 0.9.0; see ``experiments/benchmark.py --peer``), never in dpcore's. It builds
-the same four benchmark models as ``experiments/benchmark.py`` with ``tf.keras``, times the
+the same four benchmark models as ``experiments/benchmark.py`` (``experiments/zoo.py``) with
+``tf.keras``, times the
 compiled model's own ``train_step`` (wrapped in one ``tf.function``) for one method and prints one line ``BENCH_RESULT {json}`` with the same
 fields as dpcore's rows. It imports nothing from dpcore.
 
@@ -22,20 +23,18 @@ Usage (inside the peer env):
 """
 
 import json
-import resource
 import statistics
 import sys
 import time
 
+import common  # stdlib only; next to this script (sys.path[0])
+import zoo  # plain Keras builders, Keras 2 and 3: the same models as dpcore's benchmark
 from absl import app, flags
 
 RESULT_PREFIX = "BENCH_RESULT "
-MODELS = ("mlp", "cnn", "text", "transformer")
+MODELS = zoo.BENCH_MODELS
 METHODS = ("nonprivate", "dpkeras", "vectorized", "dpsequential")
 SLOW_METHODS = ("dpkeras", "vectorized")
-NUM_CLASSES = {"mlp": 10, "cnn": 10, "text": 2, "transformer": 2}
-TEXT_VOCAB, TEXT_SEQ, TEXT_DIM = 20000, 256, 64
-TRANSFORMER_SEQ, TRANSFORMER_DIM = 128, 128
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "mlp", MODELS, "Benchmark model.")
@@ -48,55 +47,6 @@ flags.DEFINE_float("step_budget_s", 60.0, "Fewer timed steps (at least 3) past t
 flags.DEFINE_float("l2_norm_clip", 1.0, "Clip bound.")
 flags.DEFINE_float("noise_multiplier", 1.0, "Noise multiplier.")
 flags.DEFINE_float("learning_rate", 0.01, "SGD learning rate.")
-
-
-def _layers(name):
-    import tensorflow as tf
-
-    L = tf.keras.layers
-    if name == "mlp":
-        return [
-            L.InputLayer(input_shape=(784,)),
-            L.Dense(512, activation="relu"),
-            L.Dense(256, activation="relu"),
-            L.Dense(10),
-        ]
-    if name == "cnn":
-        return [
-            L.InputLayer(input_shape=(28, 28, 1)),
-            L.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
-            L.MaxPooling2D(2, strides=1),
-            L.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
-            L.MaxPooling2D(2, strides=1),
-            L.Flatten(),
-            L.Dense(32, activation="tanh"),
-            L.Dense(10),
-        ]
-    return None
-
-
-def _functional_graph(name):
-    """(inputs, outputs) of the functional models, built with tf.keras (Keras 2)."""
-    import tensorflow as tf
-
-    L = tf.keras.layers
-    if name == "text":
-        inputs = tf.keras.Input((TEXT_SEQ,), dtype="int32")
-        h = L.Embedding(TEXT_VOCAB, TEXT_DIM)(inputs)
-        h = L.Conv1D(64, 5, activation="relu")(h)
-        h = L.GlobalMaxPooling1D()(h)
-        h = L.Dense(64, activation="relu")(h)
-        return inputs, L.Dense(2)(h)
-    inputs = tf.keras.Input((TRANSFORMER_SEQ, TRANSFORMER_DIM))
-    h = inputs
-    for _ in range(2):
-        a = L.MultiHeadAttention(num_heads=4, key_dim=TRANSFORMER_DIM // 4)(h, h)
-        h = L.LayerNormalization()(h + a)
-        f = L.Dense(2 * TRANSFORMER_DIM, activation="relu")(h)
-        f = L.Dense(TRANSFORMER_DIM)(f)
-        h = L.LayerNormalization()(h + f)
-    h = L.GlobalAveragePooling1D()(h)
-    return inputs, L.Dense(2)(h)
 
 
 def _registry():
@@ -130,18 +80,18 @@ def build(name, method, batch_size):
 
     tf.keras.utils.set_random_seed(0)
     dp_args = dict(l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier)
-    layers = _layers(name)
+    layers = zoo.bench_layers(tf.keras, name)
     if method == "dpsequential":
         dp_args.update(use_xla=False, layer_registry=_registry())
         if layers is not None:
             model = tfp.DPSequential(layers=layers, **dp_args)
         else:
-            inputs, outputs = _functional_graph(name)
+            inputs, outputs = zoo.bench_graph(tf.keras, name)
             model = tfp.DPModel(inputs=inputs, outputs=outputs, **dp_args)
     elif layers is not None:
         model = tf.keras.Sequential(layers)
     else:
-        inputs, outputs = _functional_graph(name)
+        inputs, outputs = zoo.bench_graph(tf.keras, name)
         model = tf.keras.Model(inputs, outputs)
     reduction = tf.keras.losses.Reduction.AUTO
     if method == "nonprivate" or method == "dpsequential":
@@ -155,35 +105,11 @@ def build(name, method, batch_size):
     return model
 
 
-def make_batch(name, batch_size):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    y = rng.integers(0, NUM_CLASSES[name], batch_size).astype("int32")
-    if name == "mlp":
-        x = rng.random((batch_size, 784), dtype=np.float32)
-    elif name == "cnn":
-        x = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
-    elif name == "text":
-        x = rng.integers(0, TEXT_VOCAB, (batch_size, TEXT_SEQ)).astype("int32")
-    else:
-        x = rng.normal(size=(batch_size, TRANSFORMER_SEQ, TRANSFORMER_DIM)).astype("float32")
-    return x, y
-
-
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1])
-    return None
-
-
 def measure(name, method, batch_size, steps, warmup):
     import tensorflow as tf
 
     model = build(name, method, batch_size)
-    xb, yb = make_batch(name, batch_size)
+    xb, yb = zoo.make_bench_batch(name, batch_size)
     x, y = tf.constant(xb), tf.constant(yb)
     # The model's own train_step (DP or not) in one tf.function, like dpcore's rows: no
     # per-call data-adapter overhead of train_on_batch in the baseline or the DP rows.
@@ -197,12 +123,7 @@ def measure(name, method, batch_size, steps, warmup):
         last_s = time.perf_counter() - t0
     if FLAGS.step_budget_s and last_s > 0:  # same rule as benchmark.planned_steps
         steps = max(min(steps, 3), min(steps, int(FLAGS.step_budget_s / last_s)))
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
+    reset = common.reset_peak_rss()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -214,8 +135,8 @@ def measure(name, method, batch_size, steps, warmup):
         "step_ms": [round(t, 3) for t in times],
         "steps_timed": steps,
         "trace_s": round(trace_s, 3),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "step_peak_rss_mb": _status_kb("VmHWM") / 1024 if reset else None,
+        "peak_rss_mb": common.peak_rss_mb(),
+        "step_peak_rss_mb": common.proc_status_kb("VmHWM") / 1024 if reset else None,
         "peak_device_mb": None,
         "params": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
         "final_loss": float(loss),

@@ -23,12 +23,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from typing import Any
 
 from absl import app, flags
+from dpcore_experiments import common, zoo
 
 DATASETS = ("digits", "fashion_mnist", "mnist")
 
@@ -41,21 +40,7 @@ def build_model(input_shape: tuple[int, ...]) -> Any:
     """
     import keras
 
-    small = min(input_shape[:2]) < 16
-    return keras.Sequential(
-        [
-            keras.Input(input_shape),
-            keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
-            keras.layers.MaxPool2D(2, 1),
-            keras.layers.Conv2D(
-                32, 4, strides=2, padding="same" if small else "valid", activation="relu"
-            ),
-            keras.layers.MaxPool2D(2, 1),
-            keras.layers.Flatten(),
-            keras.layers.Dense(32, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    return keras.Sequential(zoo.cnn_layers(keras, input_shape, 10, activation="relu"))
 
 
 def run_tutorial(
@@ -184,9 +169,7 @@ def main(argv: list[str]) -> None:
         f"{results['epsilon_rdp']:.3f} (RDP), Poisson sampling, {results['steps']} steps"
     )
     if f.out:
-        os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
-        with open(f.out, "w") as out:
-            json.dump(results, out, indent=2)
+        common.write_json_atomic(f.out, results)
 
 
 def run() -> None:

@@ -35,6 +35,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+from dpcore_experiments import common, zoo
 
 if __name__ == "__main__":  # the main job: no TensorFlow start-up lines that look like failures
     from dpcore_experiments.tf_startup import import_tensorflow_quietly
@@ -121,24 +122,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10) 
     """
     import keras
 
-    inputs = keras.Input(input_shape)
     if name == "mlp":
-        h = keras.layers.Flatten()(inputs)
-        h = keras.layers.Dense(128, activation="tanh")(h)
+        layers = zoo.tanh_mlp_layers(keras, input_shape, num_classes, hidden=128)
     elif name == "cnn":
-        small = min(input_shape[:2]) < 16
-        h = keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh")(inputs)
-        h = keras.layers.MaxPooling2D(2, strides=1)(h)
-        h = keras.layers.Conv2D(
-            32, 4, strides=2, padding="same" if small else "valid", activation="tanh"
-        )(h)
-        h = keras.layers.MaxPooling2D(2, strides=1)(h)
-        h = keras.layers.Flatten()(h)
-        h = keras.layers.Dense(32, activation="tanh")(h)
+        layers = zoo.cnn_layers(keras, input_shape, num_classes)
     else:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
-    outputs = keras.layers.Dense(num_classes)(h)
-    return keras.Model(inputs, outputs, name=name)
+    return keras.Sequential(layers, name=name)
 
 
 def build_optimizer(settings: TrainSettings) -> Any:
@@ -163,51 +153,66 @@ class Plan:
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, sampling: str) -> int:
-    """Poisson: round(N / batch) logical steps (one epoch in expectation); shuffle: ceil(N / B)."""
-    if sampling == "poisson":
-        return max(1, round(num_examples / batch_size))
-    return math.ceil(num_examples / batch_size)
+    """Logical steps per epoch, as ``DPConfig.steps_per_epoch`` defines them.
 
-
-def dp_config(settings: TrainSettings, num_examples: int, noise_multiplier: float) -> Any:
-    """The frozen DPConfig describing the whole run (what is accounted is what runs)."""
+    Poisson: round(N / batch) (one epoch in expectation); shuffle: ceil(N / B).
+    """
     from dpcore.config import DPConfig
 
     return DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=float(min(batch_size, num_examples)),
+        num_examples=num_examples,
+        steps=1,
+        sampling=sampling,
+    ).steps_per_epoch
+
+
+def dp_config(settings: TrainSettings, num_examples: int, noise_multiplier: float) -> Any:
+    """The frozen DPConfig describing the whole run (what is accounted is what runs).
+
+    Its ``steps`` are ``epochs * steps_per_epoch`` (DPConfig's steps per epoch): the run trains
+    whole epochs of that many logical steps.
+    """
+    from dpcore.config import DPConfig
+
+    fields = dict(
         l2_norm_clip=settings.l2_norm_clip,
         noise_multiplier=noise_multiplier,
         expected_batch_size=float(min(settings.batch_size, num_examples)),
         num_examples=num_examples,
-        steps=settings.epochs
-        * steps_per_epoch(num_examples, settings.batch_size, settings.sampling),
+        steps=1,
         sampling=settings.sampling,
         target_delta=settings.target_delta,
     )
+    spe = DPConfig(**fields).steps_per_epoch
+    return DPConfig(**{**fields, "steps": settings.epochs * spe})
 
 
 def make_plan(settings: TrainSettings, num_examples: int) -> Plan:
-    spe = steps_per_epoch(num_examples, settings.batch_size, settings.sampling)
-    batch = float(min(settings.batch_size, num_examples))
+    """The run's schedule and σ, all read off its DPConfig (σ calibrated for --target_epsilon)."""
+    from dpcore.config import DPConfig
+
+    config = dp_config(settings, num_examples, settings.noise_multiplier or 0.0)
     noise = settings.noise_multiplier
     if settings.dp and settings.target_epsilon is not None:
-        from dpcore.config import DPConfig
-
         calibrated = DPConfig.calibrated(
             target_epsilon=settings.target_epsilon,
-            target_delta=settings.target_delta,
-            l2_norm_clip=settings.l2_norm_clip,
-            expected_batch_size=batch,
-            num_examples=num_examples,
-            steps=settings.epochs * spe,
-            sampling=settings.sampling,
+            target_delta=config.target_delta,
+            l2_norm_clip=config.l2_norm_clip,
+            expected_batch_size=config.expected_batch_size,
+            num_examples=config.num_examples,
+            steps=config.steps,
+            sampling=config.sampling,
         )
         noise = float(calibrated.noise_multiplier)
     return Plan(
         num_examples=num_examples,
-        steps_per_epoch=spe,
-        total_steps=settings.epochs * spe,
-        expected_batch_size=batch,
-        sampling_prob=batch / num_examples,
+        steps_per_epoch=config.steps_per_epoch,
+        total_steps=config.steps,
+        expected_batch_size=config.expected_batch_size,
+        sampling_prob=config.sampling_prob,
         noise_multiplier=noise if settings.dp else None,
     )
 
@@ -295,9 +300,7 @@ def _build_training_model(settings: TrainSettings, plan: Plan, model: Any) -> tu
         optimizer=inner,
         loss=loss,
         metrics=metrics,
-        l2_norm_clip=settings.l2_norm_clip,
-        noise_multiplier=plan.noise_multiplier,
-        expected_batch_size=plan.expected_batch_size,
+        config=dp_config(settings, plan.num_examples, plan.noise_multiplier),
         seed=settings.seed,
     )
     return dp_model, dp_model.optimizer
@@ -342,13 +345,6 @@ def _check_same_run(previous: dict[str, Any], current: dict[str, Any]) -> None:
         )
 
 
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
-
-
 def baseline_batches(batches: Any, *, expected_batch_size: float) -> Any:
     """The sampler's ``(x, y, mask, step_end)`` as ``(x, y, sample_weight)`` for a plain Keras
     step with the DP step's normalization.
@@ -361,7 +357,9 @@ def baseline_batches(batches: Any, *, expected_batch_size: float) -> Any:
 
     scale = 1.0 / float(expected_batch_size)
 
-    def as_weights(x: Any, y: Any, mask: Any, step_end: Any) -> tuple[Any, Any, Any]:
+    def as_weights(*element: Any) -> tuple[Any, Any, Any]:
+        # A SampledBatch (named tuple) arrives whole; a plain 4-tuple arrives unpacked.
+        x, y, mask, _ = element[0] if len(element) == 1 else element
         rows = tf.cast(tf.shape(mask)[0], tf.float32)
         return x, y, mask * rows * scale
 
@@ -479,7 +477,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         if manager is not None:
             manager.save(checkpoint_number=epoch + 1)
             results["privacy"] = report
-            _write_json(results_path, results)
+            common.write_json_atomic(results_path, results, sort_keys=True, default=str)
 
     results["privacy"] = _try_privacy_report(settings, plan, steps_done, reports)
     for record in results["epochs"]:
@@ -492,7 +490,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     results["test_accuracy"] = last.get("test_accuracy")
     results["total_train_time_s"] = float(sum(e["wall_time_s"] for e in results["epochs"]))
     if results_path:
-        _write_json(results_path, results)
+        common.write_json_atomic(results_path, results, sort_keys=True, default=str)
     return results
 
 

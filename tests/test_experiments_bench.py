@@ -92,6 +92,48 @@ def test_dp_steps_apply_the_reference_clipped_mean(model_name, methods):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-7, err_msg=method)
 
 
+@pytest.mark.parametrize("method", ["make_private_fit", "dp_train_step"])
+def test_user_path_steps_apply_the_reference_clipped_mean(method):
+    # make_private(...).fit and dp_train_step with sigma 0 and lr 1: one step moves the weights
+    # by the clipped mean gradient, clipped with the default engine's certified norm bounds.
+    x, y = benchmark.make_batch("mlp", 3, seed=1)
+    grads, norms = _reference_grads("mlp", x, y)
+    c = float(np.median(norms))
+    assert norms.min() < c < norms.max()
+    bounds = _fast_norm_bounds("mlp", x, y)
+    assert_sq_norm_bound(bounds**2, norms**2)
+    want = _clipped_mean(grads, bounds, l2_norm_clip=c)
+    got = _updated_weights("mlp", method, x, y, l2_norm_clip=c)
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-7, err_msg=method)
+
+
+@pytest.mark.parametrize("method", ["nonprivate", "make_private_fit", "dp_train_step"])
+def test_measure_reports_a_user_path_row(method):
+    row = benchmark.measure("mlp", method, 4, steps=2, warmup=1)
+    assert row["median_ms"] > 0 and len(row["step_ms"]) == 2
+    assert row["params"] == 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10
+    assert np.isfinite(row["final_loss"])
+
+
+def test_user_path_rows_compare_to_keras_fit_and_engine_rows_to_the_hand_written_step():
+    rows = [
+        {"impl": "dpcore", "model": "mlp", "batch_size": 4, "method": m}
+        for m in ("nonprivate", "make_private_fit", "dp_train_step", "nonprivate_step", "fast")
+    ]
+    for r, ms in zip(rows, [10.0, 13.0, 12.0, 8.0, 10.0]):
+        r.update(status="ok", median_ms=ms, peak_rss_mb=100.0, step_ms=[ms])
+    benchmark.add_ratios(rows)
+    ratios = {r["method"]: r["ratio_to_nonprivate"] for r in rows}
+    assert ratios["make_private_fit"] == pytest.approx(1.3)
+    assert ratios["dp_train_step"] == pytest.approx(1.2)
+    assert ratios["nonprivate_step"] == 1.0 and ratios["fast"] == pytest.approx(1.25)
+    table = benchmark.format_tables(rows)
+    assert "fast (engine)" in table and "| make_private_fit |" in table
+    assert "| 1.30x | 1.20x | 1.00x | 1.25x |" in table
+
+
 def test_measure_reports_a_row():
     row = benchmark.measure("mlp", "vectorized", 4, steps=2, warmup=1)
     assert row["median_ms"] > 0 and len(row["step_ms"]) == 2
