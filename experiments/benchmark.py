@@ -155,7 +155,8 @@ def _summary_from_grads(variables, grads, losses, y_pred) -> Any:
     from dpcore.engine.summary import GradientSummary
 
     flat = [tf.reshape(g, [tf.shape(g)[0], -1]) for g in grads]
-    sq = tf.stack([tf.reduce_sum(tf.square(f), axis=1) for f in flat], axis=1)
+    # float64 certified bounds (the GradientSummary contract), the clipped sum is a matvec of flat.
+    sq = tf.stack([norms.sq_norm_bound(f) for f in flat], axis=1)
 
     def weighted_sum(weights):
         return [
@@ -182,21 +183,33 @@ def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -
 
     b = tf.shape(y)[0]
 
+    def factor(norm):
+        """float32 clip factor rounded toward zero (``clip_factors`` is float64)."""
+        f64 = clip_factors(norm, l2_norm_clip=l2_norm_clip)
+        f32 = tf.cast(f64, tf.float32)
+        return tf.where(tf.cast(f32, tf.float64) > f64, tf.math.nextafter(f32, 0.0 * f32), f32)
+
     def body(i, acc, norms, losses):
         xi, yi = x[i : i + 1], y[i : i + 1]
         with tf.GradientTape() as tape:
             li = tf.reduce_sum(loss_fn(yi, model(xi, training=True)))
         g = tape.gradient(li, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         g = [_dense(t) for t in g]
-        norm = tf.linalg.global_norm(g)
-        f = clip_factors(norm, l2_norm_clip=l2_norm_clip)
-        acc = [a + f * t for a, t in zip(acc, g)]
-        return i + 1, acc, norms.write(i, norm), losses.write(i, li)
+        # float64 upper bound of the norm (certified, as the engine's); the sum of the V float64
+        # terms is inflated by gamma_V as in aggregation.clip.
+        sq = [dp_norms.sq_norm_bound(t[None], weighted_by_matmul=False)[0] for t in g]
+        norm = tf.sqrt(tf.add_n(sq) * (1.0 + 2.0 * (len(sq) + 2) * 2.0**-53))
+        acc = [a + factor(norm) * t for a, t in zip(acc, g)]
+        return i + 1, acc, norms.write(i, tf.cast(norm, tf.float32)), losses.write(i, li)
 
     acc0 = [tf.zeros(v.shape, v.dtype) for v in variables]
-    ta = tf.TensorArray(tf.float32, size=b)
+    # Two arrays: one TensorArray passed twice aliases norms and losses when run eagerly.
+    norms_ta, losses_ta = (tf.TensorArray(tf.float32, size=b) for _ in range(2))
     _, acc, norms, losses = tf.while_loop(
-        lambda i, *_: i < b, body, [tf.constant(0), acc0, ta, ta], parallel_iterations=1
+        lambda i, *_: i < b,
+        body,
+        [tf.constant(0), acc0, norms_ta, losses_ta],
+        parallel_iterations=1,
     )
     norms = norms.stack()
     return ClippedSum(
@@ -204,7 +217,7 @@ def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -
         l2_sensitivity=float(l2_norm_clip),
         num_examples=tf.cast(b, tf.float32),
         per_example_norms=norms,
-        clip_weights=clip_factors(norms, l2_norm_clip=l2_norm_clip)[:, None],
+        clip_weights=factor(norms)[:, None],
         per_example_loss=losses.stack(),
     )
 
