@@ -88,6 +88,16 @@ def dot_gamma(
     return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
 
 
+def _static_dot_gamma(n: int | None) -> Any:
+    """:func:`dot_gamma` for a static length, as a Python float (computed at trace time)."""
+    if n is None:
+        return dot_gamma(n)
+    u_in = matmul_input_roundoff()
+    nu = float(n) * F32_ROUNDOFF
+    gamma = nu / (1.0 - nu) if nu < 0.5 else float("inf")
+    return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
+
+
 def _sum64_inflation(n: Any) -> Any:
     """``1 + gamma_n`` for a float64 sum of ``n`` non-negative terms (plus a few roundings)."""
     return 1.0 + (tf.cast(n, tf.float64) + 4.0) * (2.0 * F64_ROUNDOFF)
@@ -179,38 +189,48 @@ def ghost_sq_norm_bound(a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True
     g = tf.cast(g, tf.float32)
     d, p = a.shape[-1], g.shape[-1]
     t = _positions(a)
-    # Per-example scale to magnitude 1: nothing below overflows or flushes to zero. NaN rows stay
-    # NaN (reduce_max propagates NaN), infinite rows become NaN after scaling.
+    # Per-example scale to magnitude ~1 (one reciprocal per example, then a multiply): nothing
+    # below overflows or flushes to zero. NaN rows stay NaN (reduce_max propagates NaN), infinite
+    # rows become NaN after scaling.
     ma = tf.reduce_max(tf.abs(a), axis=[1, 2])
     mg = tf.reduce_max(tf.abs(g), axis=[1, 2])
     sa = tf.where(ma > 0, ma, tf.ones_like(ma))
     sg = tf.where(mg > 0, mg, tf.ones_like(mg))
-    ap = a / sa[:, None, None]
-    gp = g / sg[:, None, None]
-    aa = tf.cast(tf.matmul(ap, ap, transpose_b=True), tf.float64)  # [B, T, T]
-    gg = tf.cast(tf.matmul(gp, gp, transpose_b=True), tf.float64)
-    ga, gp_ = dot_gamma(d), dot_gamma(p)
-    # Upper bounds of the scaled rows' norms, from the (non-negative) diagonal sums.
-    na = tf.sqrt(tf.maximum(tf.linalg.diag_part(aa), 0.0) * (1.0 + ga))
-    ng = tf.sqrt(tf.maximum(tf.linalg.diag_part(gg), 0.0) * (1.0 + gp_))
-    nn_a = na[:, :, None] * na[:, None, :]
-    nn_g = ng[:, :, None] * ng[:, None, :]
-    prod = aa * gg
-    s = tf.reduce_sum(prod, axis=[1, 2])
+    ap = a * (1.0 / sa)[:, None, None]
+    gp = g * (1.0 / sg)[:, None, None]
+    aa = tf.matmul(ap, ap, transpose_b=True)  # [B, T, T] float32
+    gg = tf.matmul(gp, gp, transpose_b=True)
+    ga, gp_ = _static_dot_gamma(d), _static_dot_gamma(p)
+    # Upper bounds of the scaled rows' norms, from the (non-negative) diagonal sums ([B, T]).
+    na = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(aa), tf.float64), 0.0) * (1.0 + ga))
+    ng = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(gg), tf.float64), 0.0) * (1.0 + gp_))
+    # The identity's value in float64 (its T^2 terms are what may cancel).
+    s = tf.reduce_sum(tf.cast(aa, tf.float64) * tf.cast(gg, tf.float64), axis=[1, 2])
     root_e = tf.reduce_sum(na * ng, axis=1)  # >= sum_t |a_t||g_t| (scaled): triangle bound
+    # The matmuls' error terms are sums of non-negative float32 products (scaled operands: no
+    # overflow): computed in float32 and widened by that sum's own gamma; the norms rounded up.
+    t2 = tf.cast(t, tf.float64) ** 2
+    up = 1.0 + 4.0 * F32_ROUNDOFF
+    na32 = tf.cast(na * up, tf.float32)
+    ng32 = tf.cast(ng * up, tf.float32)
+    err_a = tf.einsum("bs,bst,bt->b", na32, tf.abs(gg), na32)
+    err_g = tf.einsum("bs,bst,bt->b", ng32, tf.abs(aa), ng32)
+    widen = 1.0 + dot_gamma(t2 + 2.0, input_roundoff=0.0)
     err = (
-        ga * tf.reduce_sum(nn_a * tf.abs(gg), axis=[1, 2])
-        + gp_ * tf.reduce_sum(tf.abs(aa) * nn_g, axis=[1, 2])
+        ga * tf.cast(err_a, tf.float64) * widen
+        + gp_ * tf.cast(err_g, tf.float64) * widen
         + ga * gp_ * tf.square(root_e)
     )
-    # The float64 [B, T, T] products and sums add at most gamma_{T^2 + 3} (float64) of sum |.|.
-    t2 = tf.cast(t, tf.float64) ** 2
-    err = err + (t2 + 3.0) * 2.0 * F64_ROUNDOFF * tf.reduce_sum(tf.abs(prod), axis=[1, 2])
+    # The float64 [B, T, T] products and sum add at most gamma_{T^2 + 3} (float64) of sum |.|,
+    # and sum |aa * gg| <= (sum_t |a_t||g_t|)^2 (with the matmul error, 1 + ga, 1 + gp).
+    abs_sum = tf.square(root_e) * (1.0 + ga) * (1.0 + gp_)
+    err = err + (t2 + 3.0) * 2.0 * F64_ROUNDOFF * abs_sum
     root = tf.sqrt(tf.maximum(s + err * _sum64_inflation(t2), 0.0)) * _sum64_inflation(4.0)
     root = tf.minimum(root, root_e * (1.0 + 4.0 * F64_ROUNDOFF))
-    # Rescaling rounds each scaled entry by <= u relative, or <= 2^-126 when it flushes to zero.
+    # Rescaling (a reciprocal, then a product) moves each scaled entry by <= 2u + u^2 relative,
+    # or by <= 2^-126 when it flushes to zero; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2.
     tt = tf.cast(t, tf.float64)
-    lam = 2.0 * (F32_ROUNDOFF + F32_ROUNDOFF**2) * root_e + tt * (
+    lam = (4.0 * F32_ROUNDOFF + 7.0 * F32_ROUNDOFF**2) * root_e + tt * (
         (float(d) ** 0.5 + float(p) ** 0.5 + 1.0) * 4.0 * _F32_TINY
     )
     if contribution:
