@@ -48,6 +48,7 @@ __all__ = [
     "ghost_sq_norm_bound",
     "matmul_input_roundoff",
     "outer_sq_norm_bound",
+    "row_scale",
     "rows_sq_norm",
     "sq_norm_bound",
     "sum_of_norms",
@@ -165,11 +166,21 @@ def outer_sq_norm_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     return sq * (1.0 + dot_gamma(2)) ** 2
 
 
+def row_scale(t: tf.Tensor) -> tf.Tensor:
+    """``[B]`` float32 largest magnitude of each row of ``t`` (1 for an all-zero row; NaN or Inf
+    for a row holding NaN or Inf): the ``a_scale`` of :func:`ghost_sq_norm_bound`."""
+    t = tf.cast(t, tf.float32)
+    m = tf.reduce_max(tf.reshape(tf.abs(t), [tf.shape(t)[0], -1]), axis=1)
+    return tf.where((m > 0) | tf.math.is_nan(m), m, tf.ones_like(m))
+
+
 def _positions(t: tf.Tensor) -> Any:
     return t.shape[1] if t.shape[1] is not None else tf.shape(t)[1]
 
 
-def ghost_sq_norm_bound(a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True) -> tf.Tensor:
+def ghost_sq_norm_bound(
+    a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True, a_scale: tf.Tensor | None = None
+) -> tf.Tensor:
     """Certified bound of ``||A_i^T G_i||_F^2`` by the ghost identity, ``a [B,T,D]``, ``g [B,T,P]``.
 
     Args:
@@ -178,6 +189,10 @@ def ghost_sq_norm_bound(a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True
       contribution: also bound the rounding of a book-keeping product over the example's ``T``
         positions (``A^T diag(w) G``, or a convolution's filter gradient), which is how the clipped
         sum is formed when the per-example gradient is never materialized.
+      a_scale: ``[B]``: when given, ``a`` was already multiplied by ``1 / a_scale`` (one float32
+        reciprocal per example), with ``a_scale`` the row's largest magnitude (1 for an all-zero
+        row, NaN/Inf for a non-finite one). A convolution scales its input this way before
+        unfolding it, on a tensor ``window`` times smaller than the patches.
 
     Returns:
       float64 ``[B]``; non-finite when a row of ``a`` or ``g`` is.
@@ -192,11 +207,15 @@ def ghost_sq_norm_bound(a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True
     # Per-example scale to magnitude ~1 (one reciprocal per example, then a multiply): nothing
     # below overflows or flushes to zero. NaN rows stay NaN (reduce_max propagates NaN), infinite
     # rows become NaN after scaling.
-    ma = tf.reduce_max(tf.abs(a), axis=[1, 2])
+    if a_scale is None:
+        ma = tf.reduce_max(tf.abs(a), axis=[1, 2])
+        sa = tf.where(ma > 0, ma, tf.ones_like(ma))
+        ap = a * (1.0 / sa)[:, None, None]
+    else:
+        ma = sa = tf.cast(a_scale, tf.float32)
+        ap = a
     mg = tf.reduce_max(tf.abs(g), axis=[1, 2])
-    sa = tf.where(ma > 0, ma, tf.ones_like(ma))
     sg = tf.where(mg > 0, mg, tf.ones_like(mg))
-    ap = a * (1.0 / sa)[:, None, None]
     gp = g * (1.0 / sg)[:, None, None]
     aa = tf.matmul(ap, ap, transpose_b=True)  # [B, T, T] float32
     gg = tf.matmul(gp, gp, transpose_b=True)

@@ -194,10 +194,10 @@ def drop_nonfinite(
 
     An example is *bad* when its loss or any of its (certified) squared norms is NaN/Inf. With
     ``nonfinite="raise"`` a bad real example fails the step before anything that depends on the
-    summary runs; with ``"skip"`` it is dropped: zero norm, zero loss, mask 0. In both modes the
-    clipped sums of a batch with bad rows (padding rows included) are recomputed by ``recompute``
-    on the batch with those rows zeroed and masked, so that no ``0 * Inf`` reaches a sum; batches
-    without bad rows never run it (a ``tf.cond``).
+    summary runs; with ``"skip"`` it is dropped: zero norm, zero loss, mask 0, and the clipped sums
+    of a batch with bad rows (padding rows included) are recomputed by ``recompute`` on the batch
+    with those rows zeroed and masked, so that no ``0 * Inf`` reaches a sum; batches without bad
+    rows never run it (a ``tf.cond``).
 
     Args:
       summary: the engine path's summary of the batch.
@@ -231,6 +231,11 @@ def drop_nonfinite(
     any_bad = tf.logical_not(tf.reduce_all(ok))
 
     def weighted_sum(weights: tf.Tensor) -> list[tf.Tensor]:
+        if nonfinite == "raise":
+            # No real row is bad (checked above); a bad padding row (a layer that is not finite on
+            # zeroed inputs) surfaces as a non-finite sum, which the optimizer refuses before any
+            # update. The default path thus pays no branch.
+            return list(summary.weighted_sum(weights))
         return tf.cond(
             any_bad,
             lambda: list(recompute(ok).weighted_sum(weights)),

@@ -199,6 +199,17 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         per_example = tf.reshape(linear.materialize(a, g), [-1, *kernel.shape])
         sq = norms.sq_norm_bound(per_example)
+    elif groups == 1 and path == "ghost" and g.shape[1] != 1:
+        # Scale each example's input to magnitude 1 before unfolding it (the patches hold the
+        # same values, window times over), then bound the ghost identity on the scaled patches.
+        raw = [tf.cast(u.capture["a"], tf.float32) for u in uses]
+        scale = norms.row_scale(tf.concat([tf.reshape(r, [tf.shape(r)[0], -1]) for r in raw], 1))
+        inv = 1.0 / scale
+        a = tf.concat(
+            [_patches(layer, r * tf.reshape(inv, [-1] + [1] * (r.shape.rank - 1))) for r in raw],
+            axis=1,
+        )
+        sq = norms.ghost_sq_norm_bound(a, g, contribution=True, a_scale=scale)
     elif groups == 1:
         a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         sq = linear.sq_norm(a, g, path)
