@@ -327,3 +327,12 @@ def _digits_subset():
 
     (x, y), test = data.load_digits()
     return (x[:200], y[:200]), test
+
+
+def test_interleaved_step_times_both_steps_of_a_checkout():
+    from dpcore_experiments import interleaved_step
+
+    row = interleaved_step.measure(ROOT, "mlp", 4, rounds=2, warmup=1)
+    assert set(row["median_ms"]) == {"nonprivate_step", "fast"}
+    assert all(ms > 0 for ms in row["median_ms"].values())
+    assert row["ratio"] == row["median_ms"]["fast"] / row["median_ms"]["nonprivate_step"]
