@@ -28,6 +28,7 @@ from tests.models import BUILDERS, batch_for
 
 RTOL = 1e-5
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+INFERENCE = ExecutionOptions(training=False)
 
 
 def _both_paths(model, x, y, sw, mask, weights, *, wrt_inputs=False, jit=False):
@@ -182,6 +183,13 @@ def test_nested_models(rng):
     assert set(explain(model).paths().values()) == {"ghost"}
 
 
+def _fast_inference(model, loss_fn, xp, yp, sw, mk):
+    """The fast path on a prepared batch, all trainable variables, inference mode."""
+    return ghost.fast_summary(
+        model, loss_fn, xp, yp, sw, mk, model.trainable_variables, options=INFERENCE
+    )
+
+
 def test_subclassed_model_falls_back_whole_with_warning(rng):
     model = BUILDERS["subclassed"]()
     x, y = batch_for("subclassed", 3, rng)
@@ -190,16 +198,7 @@ def test_subclassed_model_falls_back_whole_with_warning(rng):
     xp, yp, sw, mk = prepare_batch(x, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = ghost.fast_summary(
-            model,
-            loss_fn,
-            xp,
-            yp,
-            sw,
-            mk,
-            model.trainable_variables,
-            options=ExecutionOptions(training=False),
-        )
+        s = _fast_inference(model, loss_fn, xp, yp, sw, mk)
     assert any("subclassed" in str(w.message) for w in caught)
     ref = reference_per_example_gradients(model, LOSS, x, y)
     ref_sq = np.stack([np.sum(g.reshape(3, -1) ** 2, axis=1) for g in ref], axis=1)
@@ -227,20 +226,7 @@ def test_variable_read_outside_its_layer_falls_back_whole(reader, rng):
     xp, yp, sw, mk = prepare_batch(x, y)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = tf.function(
-            lambda: (
-                ghost.fast_summary(
-                    model,
-                    loss_fn,
-                    xp,
-                    yp,
-                    sw,
-                    mk,
-                    model.trainable_variables,
-                    options=ExecutionOptions(training=False),
-                ).sq_norms
-            )
-        )()
+        s = tf.function(lambda: _fast_inference(model, loss_fn, xp, yp, sw, mk).sq_norms)()
     assert any("outside the layer that owns it" in str(w.message) for w in caught)
     ref = reference_per_example_gradients(model, LOSS, x, y)
     ref_sq = np.stack([np.sum(g.reshape(4, -1) ** 2, axis=1) for g in ref], axis=1)
@@ -255,9 +241,7 @@ def test_variable_subset_and_frozen_layers(rng):
     x, y = batch_for("mlp", 3, rng)
     loss_fn = per_example_loss_fn(LOSS)
     xp, yp, sw, mk = prepare_batch(x, y)
-    s = ghost.fast_summary(
-        model, loss_fn, xp, yp, sw, mk, variables, options=ExecutionOptions(training=False)
-    )
+    s = ghost.fast_summary(model, loss_fn, xp, yp, sw, mk, variables, options=INFERENCE)
     ref = reference_per_example_gradients(model, LOSS, x, y, variables=variables)
     assert_sq_norm_bound(s.sq_norms[:, 0], np.sum(ref[0].reshape(3, -1) ** 2, axis=1), rtol=RTOL)
     assert explain(model).paths()["dense_0"] == "frozen"
@@ -308,7 +292,7 @@ def test_summary_paths_name_layers_like_explain(rng):
         sw,
         mk,
         model.trainable_variables,
-        options=ExecutionOptions(training=False),
+        options=INFERENCE,
     )
     report = explain(model).paths()
     for name, path in s.paths.items():
