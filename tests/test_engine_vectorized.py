@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import dpcore
 import dpcore.engine as engine
 from dpcore import aggregation
 from dpcore.options import ExecutionOptions
@@ -228,3 +229,34 @@ def test_nonfinite_check_gates_the_update_in_a_compiled_step(rng):
     with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or Inf"):
         step(x, y)
     np.testing.assert_array_equal(var.numpy(), before)
+
+
+class _GroupedConvNet(keras.Model):
+    """Subclassed, so the fast path falls back to the vectorized engine as a whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = keras.layers.Conv2D(4, 3, groups=2, activation="tanh")
+        self.flat = keras.layers.Flatten()
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.flat(self.conv(x)))
+
+
+def test_grouped_conv_takes_the_per_example_loop_and_matches_the_reference(rng):
+    """TensorFlow builds a vectorized filter gradient for grouped convolutions that fails when it
+    runs; the engine must loop over examples instead, on the whole-model fallback too."""
+    model = _GroupedConvNet()
+    x = rng.normal(size=(3, 6, 6, 4)).astype("float32")
+    y = rng.integers(0, 3, 3)
+    model(x)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with pytest.warns(RuntimeWarning, match="grouped convolution"):
+        got = engine.per_example_gradients(model, loss, x, y)
+    want = reference_per_example_gradients(model, loss, x, y)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6)
+    norms = dpcore.per_example_norms(model, loss, x, y)  # the whole-model fallback of "auto"
+    ref = np.sqrt(sum(np.sum(w.reshape(3, -1) ** 2, axis=1) for w in want))
+    np.testing.assert_allclose(np.asarray(norms), ref, rtol=1e-5)

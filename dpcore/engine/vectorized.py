@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from dpcore import norms
@@ -58,24 +59,43 @@ def _per_example_fn(
     return fn
 
 
+def _unvectorizable_layer(model: Any) -> str | None:
+    """A layer whose vectorized gradient TensorFlow builds but cannot run, if the model has one.
+
+    Grouped convolutions: pfor converts their filter gradient at trace time, and the converted
+    ``Conv2DBackpropFilter`` then fails at run time ("filter_size does not have enough
+    elements"), too late for the trace-time fallback below.
+    """
+    from dpcore.validation import walk_layers
+
+    for path, layer in walk_layers(model):
+        if isinstance(layer, keras.layers.Layer) and int(getattr(layer, "groups", 1) or 1) > 1:
+            if hasattr(layer, "kernel_size"):
+                return f"{path} is a grouped convolution (groups={layer.groups})"
+    return None
+
+
 def _map(fn: Callable, elems: Any, model: Any) -> Any:
     """vectorized_map, or a map_fn loop (with a one-time warning) where pfor cannot convert."""
-    try:
-        return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
-    except Exception as err:  # pfor raises various errors at trace time
-        # Errors that are not about vectorization (bad loss shape, ...) surface here, unwrapped,
-        # when one example is traced on its own.
-        signature = _signature(fn, elems)
-        if model not in _WARNED:
-            _WARNED.add(model)
-            warnings.warn(
-                f"dpcore: tf.vectorized_map cannot vectorize model {getattr(model, 'name', model)!r} "
-                f"({type(err).__name__}: {_first_line(err)}); per-example gradients "
-                "fall back to a loop over examples (tf.map_fn), which is slower.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return tf.map_fn(fn, elems, fn_output_signature=signature, parallel_iterations=8)
+    reason = _unvectorizable_layer(model) if isinstance(model, keras.layers.Layer) else None
+    if reason is None:
+        try:
+            return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
+        except Exception as err:  # pfor raises various errors at trace time
+            # Errors that are not about vectorization (bad loss shape, ...) surface here,
+            # unwrapped, when one example is traced on its own.
+            reason = f"{type(err).__name__}: {_first_line(err)}"
+    signature = _signature(fn, elems)
+    if model not in _WARNED:
+        _WARNED.add(model)
+        warnings.warn(
+            f"dpcore: tf.vectorized_map cannot vectorize model {getattr(model, 'name', model)!r} "
+            f"({reason}); per-example gradients fall back to a loop over examples (tf.map_fn), "
+            "which is slower.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return tf.map_fn(fn, elems, fn_output_signature=signature, parallel_iterations=8)
 
 
 def _first_line(err: Exception) -> str:
