@@ -106,10 +106,25 @@ def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float) -> tf.Tensor:
     return tf.minimum(tf.constant(1.0, tf.float64), l2_norm_clip / tf.maximum(norms, _TINY))
 
 
-def _round_down_f32(w: tf.Tensor) -> tf.Tensor:
+def round_down_f32(w: tf.Tensor) -> tf.Tensor:
     """float64 -> float32 rounded toward zero, so a clip factor never grows when cast."""
     w32 = tf.cast(w, tf.float32)
     return tf.where(tf.cast(w32, tf.float64) > w, tf.math.nextafter(w32, tf.zeros_like(w32)), w32)
+
+
+def _sum_inflation(num_terms: int) -> float:
+    """``1 + gamma`` for a float64 sum of ``num_terms`` non-negative squared-norm bounds."""
+    return 1.0 + 2.0 * (num_terms + 2) * 2.0**-53
+
+
+def total_norm_bound(sq_norms: tf.Tensor) -> tf.Tensor:
+    """``[B, V]`` float64 squared-norm bounds per variable -> ``[B]`` bound of the total norm.
+
+    Privacy:
+      An upper bound of each example's whole-gradient norm when every column is one.
+    """
+    sq = tf.cast(sq_norms, tf.float64)
+    return tf.sqrt(tf.reduce_sum(sq, axis=1) * _sum_inflation(sq.shape[-1] or 1))
 
 
 def clip(
@@ -142,8 +157,6 @@ def clip(
     sq = tf.cast(summary.sq_norms, tf.float64)
     num_vars = len(summary.variables)
     mask = tf.cast(summary.mask, tf.float64)
-    # Summing V float64 squares adds at most gamma_V (float64): keep the result an upper bound.
-    inflate = 1.0 + 2.0 * (num_vars + 2) * 2.0**-53
     if isinstance(l2_norm_clip, (list, tuple)):
         bounds = [_check_clip("l2_norm_clip", c) for c in l2_norm_clip]
         groups = list(range(num_vars)) if variable_groups is None else list(variable_groups)
@@ -157,7 +170,8 @@ def clip(
                 f"(one per l2_norm_clip bound, got {len(bounds)} bounds)."
             )
         one_hot = tf.one_hot(groups, len(bounds), dtype=tf.float64)  # [V, G]
-        group_norms = tf.sqrt(tf.matmul(sq, one_hot) * inflate)  # [B, G]
+        # Summing float64 squares adds at most gamma_V: keep the result an upper bound.
+        group_norms = tf.sqrt(tf.matmul(sq, one_hot) * _sum_inflation(num_vars))  # [B, G]
         factors = tf.minimum(
             tf.constant(1.0, tf.float64),
             tf.constant(bounds, tf.float64) / tf.maximum(group_norms, _TINY),
@@ -166,10 +180,10 @@ def clip(
         sensitivity = math.sqrt(sum(c * c for c in bounds))
     else:
         c = _check_clip("l2_norm_clip", l2_norm_clip)
-        factors = clip_factors(tf.sqrt(tf.reduce_sum(sq, axis=1) * inflate), l2_norm_clip=c)
+        factors = clip_factors(total_norm_bound(sq), l2_norm_clip=c)
         weights = tf.tile(factors[:, None], [1, num_vars])
         sensitivity = c
-    weights = _round_down_f32(weights * mask[:, None])
+    weights = round_down_f32(weights * mask[:, None])
     grads = tuple(summary.weighted_sum(weights))
     return ClippedSum(
         grads=grads,

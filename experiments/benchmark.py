@@ -179,15 +179,13 @@ def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -
     import tensorflow as tf
 
     from dpcore import norms as dp_norms
-    from dpcore.aggregation import ClippedSum, clip_factors
+    from dpcore.aggregation import ClippedSum, clip_factors, round_down_f32, total_norm_bound
 
     b = tf.shape(y)[0]
 
     def factor(norm):
-        """float32 clip factor rounded toward zero (``clip_factors`` is float64)."""
-        f64 = clip_factors(norm, l2_norm_clip=l2_norm_clip)
-        f32 = tf.cast(f64, tf.float32)
-        return tf.where(tf.cast(f32, tf.float64) > f64, tf.math.nextafter(f32, 0.0 * f32), f32)
+        """float32 clip factor rounded toward zero, as ``aggregation.clip`` forms it."""
+        return round_down_f32(clip_factors(norm, l2_norm_clip=l2_norm_clip))
 
     def body(i, acc, norms, losses):
         xi, yi = x[i : i + 1], y[i : i + 1]
@@ -195,10 +193,9 @@ def _loop_clipped_sum(model, loss_fn, x, y, variables, *, l2_norm_clip: float) -
             li = tf.reduce_sum(loss_fn(yi, model(xi, training=True)))
         g = tape.gradient(li, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         g = [_dense(t) for t in g]
-        # float64 upper bound of the norm (certified, as the engine's); the sum of the V float64
-        # terms is inflated by gamma_V as in aggregation.clip.
-        sq = [dp_norms.sq_norm_bound(t[None], weighted_by_matmul=False)[0] for t in g]
-        norm = tf.sqrt(tf.add_n(sq) * (1.0 + 2.0 * (len(sq) + 2) * 2.0**-53))
+        # float64 upper bound of the norm (certified, combined as aggregation.clip does).
+        sq = [dp_norms.sq_norm_bound(t[None], weighted_by_matmul=False) for t in g]
+        norm = total_norm_bound(tf.stack(sq, axis=1))[0]
         acc = [a + factor(norm) * t for a, t in zip(acc, g)]
         return i + 1, acc, norms.write(i, tf.cast(norm, tf.float32)), losses.write(i, li)
 

@@ -240,7 +240,9 @@ def per_example_norms(
             variables=variables,
             options=options,
         )
-        norms = tf.sqrt(tf.reduce_sum(s.sq_norms, axis=1))
+        from dpcore.aggregation import total_norm_bound  # aggregation imports the engine
+
+        norms = total_norm_bound(s.sq_norms)
         # float32, rounded up: still an upper bound of the gradient's norm.
         n32 = tf.cast(norms, tf.float32)
         return tf.where(tf.cast(n32, tf.float64) < norms, tf.math.nextafter(n32, np.inf), n32)
