@@ -284,6 +284,19 @@ NORM_CASES = {
     "ln_two_axes": (lambda: keras.layers.LayerNormalization(axis=[1, 2]), (3, 4)),
     "ln_no_center": (lambda: keras.layers.LayerNormalization(center=False), (6,)),
     "ln_rms": (lambda: keras.layers.LayerNormalization(rms_scaling=True), (3, 4)),
+    "ln_rms_two_axes": (
+        lambda: keras.layers.LayerNormalization(axis=[1, 2], rms_scaling=True, epsilon=1e-2),
+        (3, 4),
+    ),
+    "ln_rms_no_center": (
+        lambda: keras.layers.LayerNormalization(rms_scaling=True, center=False),
+        (5,),
+    ),
+    "rms_last": (lambda: keras.layers.RMSNormalization(), (3, 4)),
+    "rms_vector": (lambda: keras.layers.RMSNormalization(epsilon=1e-2), (6,)),
+    "rms_two_axes": (lambda: keras.layers.RMSNormalization(axis=[1, 2]), (3, 4)),
+    # Keras multiplies by ``scale`` with NumPy broadcasting: along the last axis here.
+    "rms_axis1_square": (lambda: keras.layers.RMSNormalization(axis=1), (4, 4)),
     "gn_sequence": (lambda: keras.layers.GroupNormalization(groups=2), (5, 6)),
     "gn_image": (lambda: keras.layers.GroupNormalization(groups=2, epsilon=1e-2), (3, 3, 4)),
     "gn_instance": (lambda: keras.layers.GroupNormalization(groups=-1, scale=False), (4, 3)),
@@ -297,8 +310,8 @@ def test_normalization(case, rng):
     # Random gamma/beta so that the rule cannot pass by relying on the initial values.
     for v in model.trainable_variables:
         v.assign(rng.normal(size=v.shape).astype("float32"))
-    modes = MODES if case in ("ln_last", "gn_image") else FAST_MODES
-    check_rule(model, *_data(model, 4, rng), modes=modes)
+    modes = MODES if case in ("ln_last", "gn_image", "rms_last") else FAST_MODES
+    check_rule(model, *_data(model, 4, rng), modes=modes, expect_path="ghost")
 
 
 def test_choose_path_prefers_cheaper_form():

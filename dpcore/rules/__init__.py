@@ -52,7 +52,11 @@ def builtin_rules() -> dict[type, LayerRule]:
     from dpcore.rules.conv import CONV
     from dpcore.rules.dense import DENSE, EINSUM_DENSE
     from dpcore.rules.embedding import EMBEDDING
-    from dpcore.rules.normalization import GROUP_NORMALIZATION, LAYER_NORMALIZATION
+    from dpcore.rules.normalization import (
+        GROUP_NORMALIZATION,
+        LAYER_NORMALIZATION,
+        RMS_NORMALIZATION,
+    )
 
     return {
         keras.layers.Dense: DENSE,
@@ -62,6 +66,7 @@ def builtin_rules() -> dict[type, LayerRule]:
         keras.layers.Embedding: EMBEDDING,
         keras.layers.LayerNormalization: LAYER_NORMALIZATION,
         keras.layers.GroupNormalization: GROUP_NORMALIZATION,
+        keras.layers.RMSNormalization: RMS_NORMALIZATION,
         keras.layers.MultiHeadAttention: MULTI_HEAD_ATTENTION,
     }
 
@@ -71,7 +76,7 @@ def default_registry() -> dict[type, LayerRule]:
 
     Returns:
       ``{layer class: LayerRule}`` for Dense, EinsumDense, Conv1D, Conv2D, Embedding,
-      LayerNormalization, GroupNormalization and MultiHeadAttention.
+      LayerNormalization, GroupNormalization, RMSNormalization and MultiHeadAttention.
     """
     return builtin_rules()
 

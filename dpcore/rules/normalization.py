@@ -1,7 +1,10 @@
-"""Rules for ``keras.layers.LayerNormalization`` and ``keras.layers.GroupNormalization``.
+"""Rules for ``keras.layers.LayerNormalization`` (``rms_scaling`` too),
+``keras.layers.GroupNormalization`` and ``keras.layers.RMSNormalization``.
 
 Contract: ``forward`` recomputes the normalized input ``x_hat`` (per example, per group for
-GroupNormalization) the way the layer does and returns ``z = x_hat * gamma + beta``. The output is
+GroupNormalization; ``x * rsqrt(mean(x^2) + epsilon)`` for RMSNormalization, whose ``scale`` plays
+the part of ``gamma`` and which has no offset) the way the layer does and returns
+``z = x_hat * gamma + beta``. The output is
 linear in ``gamma`` and ``beta``, so with ``g = dL_i/dz`` each example's gradients are the cheap
 reductions ``sum(g * x_hat)`` and ``sum(g)`` over the non-parameter axes: ``[B, C]`` tensors, no
 larger than the parameters times the batch. Norms and clipped sums are computed from them directly;
@@ -66,11 +69,10 @@ def _cast_out(layer: Any, z: tf.Tensor) -> tf.Tensor:
 
 
 def _affine_grads(
-    layer: Any, uses: Sequence[Use], param_axes: Sequence[int], beta_used: bool
+    uses: Sequence[Use], param_axes: Sequence[int], gamma: Any, beta: Any, beta_used: bool
 ) -> list[VariableGrad]:
     """Per-example grads of ``z = x_hat * gamma + beta`` with params along ``param_axes``."""
     out = []
-    gamma, beta = _param(layer, "gamma"), _param(layer, "beta")
     for var, with_x_hat in ((gamma, True), (beta, False)):
         if var is None or not var.trainable:
             continue
@@ -91,7 +93,8 @@ def _affine_grads(
 
 
 def _ln_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
-    return _affine_grads(layer, uses, uses[0].capture["axes"], beta_used=not layer.rms_scaling)
+    gamma, beta = _param(layer, "gamma"), _param(layer, "beta")
+    return _affine_grads(uses, uses[0].capture["axes"], gamma, beta, not layer.rms_scaling)
 
 
 def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
@@ -131,7 +134,8 @@ def _gn_forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]
 
 
 def _gn_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
-    return _affine_grads(layer, uses, uses[0].capture["axes"], beta_used=True)
+    gamma, beta = _param(layer, "gamma"), _param(layer, "beta")
+    return _affine_grads(uses, uses[0].capture["axes"], gamma, beta, beta_used=True)
 
 
 GROUP_NORMALIZATION = LayerRule(
@@ -139,5 +143,31 @@ GROUP_NORMALIZATION = LayerRule(
     forward=_gn_forward,
     activate=_cast_out,
     grads=_gn_grads,
+    plan=_plan,
+)
+
+
+def _rms_forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
+    x = _as_float32(args[0])
+    axes = _ln_axes(layer, x.shape.rank)
+    x_hat = x * tf.math.rsqrt(
+        tf.reduce_mean(tf.square(x), axis=axes, keepdims=True) + layer.epsilon
+    )
+    # Keras multiplies by ``scale`` with NumPy broadcasting (trailing axes), and so does the rule:
+    # the axes ``scale`` spans are those it broadcasts over, whatever ``axis`` says.
+    scale = _as_float32(layer.scale)
+    param_axes = list(range(x.shape.rank - scale.shape.rank, x.shape.rank))
+    return x_hat * scale, {"x_hat": x_hat, "axes": param_axes}
+
+
+def _rms_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
+    return _affine_grads(uses, uses[0].capture["axes"], layer.scale, None, beta_used=False)
+
+
+RMS_NORMALIZATION = LayerRule(
+    name="rms_normalization",
+    forward=_rms_forward,
+    activate=_cast_out,
+    grads=_rms_grads,
     plan=_plan,
 )
