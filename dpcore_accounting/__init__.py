@@ -36,6 +36,7 @@ from dpcore_accounting.events import (
     shuffle_epochs,
     shuffle_event,
     shuffle_steps_per_epoch,
+    steps_for_epochs,
 )
 from dpcore_accounting.ledger import PrivacyLedger, warn_if_delta_too_large
 
@@ -56,5 +57,6 @@ __all__ = [
     "shuffle_epochs",
     "shuffle_event",
     "shuffle_steps_per_epoch",
+    "steps_for_epochs",
     "warn_if_delta_too_large",
 ]

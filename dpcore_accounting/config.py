@@ -32,6 +32,18 @@ from dpcore_accounting.ledger import PrivacyLedger, warn_if_delta_too_large
 __all__ = ["DPConfig"]
 
 
+def _steps_for_epochs(epochs: object, fields: dict[str, Any]) -> int:
+    """`ev.steps_for_epochs` for constructor keywords; epochs must be > 0 here."""
+    if not ev._is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+    return ev.steps_for_epochs(
+        epochs,
+        num_examples=fields.get("num_examples"),  # type: ignore[arg-type]  (validated there)
+        expected_batch_size=fields.get("expected_batch_size"),  # type: ignore[arg-type]
+        sampling=fields.get("sampling", "poisson"),
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPConfig:
     """The privacy-relevant settings of one DP-SGD run (frozen, keyword-only).
@@ -99,12 +111,17 @@ class DPConfig:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Logical steps per pass: shuffle ceil(N / B); Poisson round(N / B) (at least 1)."""
-        if self.sampling == "shuffle":
-            return ev.shuffle_steps_per_epoch(
-                num_examples=self.num_examples, batch_size=int(self.expected_batch_size)
-            )
-        return max(1, round(self.num_examples / self.expected_batch_size))
+        """Logical steps in the first pass: ceil(N / B) for both modes (`steps_for_epochs(1)`)."""
+        return self.steps_for_epochs(1)
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """Logical steps after `epochs` passes (`dpcore_accounting.steps_for_epochs`)."""
+        return ev.steps_for_epochs(
+            epochs,
+            num_examples=self.num_examples,
+            expected_batch_size=self.expected_batch_size,
+            sampling=self.sampling,
+        )
 
     @property
     def epochs(self) -> float:
@@ -208,41 +225,14 @@ class DPConfig:
 
     # ---------------------------------------------------------------------- constructors
     @classmethod
-    def _steps_for_epochs(
-        cls,
-        epochs: object,
-        *,
-        num_examples: int | None,
-        expected_batch_size: float | None,
-        sampling: str,
-    ) -> int:
-        if not ev._is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
-            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
-        n = ev.check_positive_int(num_examples, "num_examples")
-        if not ev._is_number(expected_batch_size) or not 0 < expected_batch_size <= n:
-            raise ValueError(
-                f"expected_batch_size must be in (0, num_examples={n}], "
-                f"got {expected_batch_size!r}."
-            )
-        if sampling == "shuffle":
-            spe = ev.shuffle_steps_per_epoch(num_examples=n, batch_size=int(expected_batch_size))
-            return max(1, math.ceil(float(epochs) * spe - 1e-9))
-        # Poisson: one epoch is N / B steps in expectation; round up (TF Privacy's convention).
-        return max(1, math.ceil(float(epochs) * n / float(expected_batch_size) - 1e-9))
-
-    @classmethod
     def from_epochs(cls, *, epochs: float, **fields: Any) -> DPConfig:
         """A config whose `steps` cover `epochs` passes over the data.
 
-        Poisson: steps = ceil(epochs · N / B); shuffle: steps = ceil(epochs · ceil(N / B)).
+        Steps are `dpcore_accounting.steps_for_epochs(epochs, ...)`: Poisson ceil(epochs · N / B),
+        shuffle ceil(epochs · ceil(N / B)).
         All other fields as for `DPConfig(...)`.
         """
-        steps = cls._steps_for_epochs(
-            epochs,
-            num_examples=fields.get("num_examples"),
-            expected_batch_size=fields.get("expected_batch_size"),
-            sampling=fields.get("sampling", "poisson"),
-        )
+        steps = _steps_for_epochs(epochs, fields)
         return cls(steps=steps, **fields)
 
     @classmethod
@@ -276,12 +266,7 @@ class DPConfig:
                 f"give exactly one of steps or epochs, got steps={steps!r}, epochs={epochs!r}."
             )
         if steps is None:
-            steps = cls._steps_for_epochs(
-                epochs,
-                num_examples=fields.get("num_examples"),
-                expected_batch_size=fields.get("expected_batch_size"),
-                sampling=fields.get("sampling", "poisson"),
-            )
+            steps = _steps_for_epochs(epochs, fields)
         probe = cls(
             noise_multiplier=1.0, steps=steps, target_delta=target_delta, **fields
         )  # validates every field before the (slower) search

@@ -41,6 +41,7 @@ __all__ = [
     "shuffle_epochs",
     "shuffle_event",
     "shuffle_steps_per_epoch",
+    "steps_for_epochs",
 ]
 
 SAMPLING_MODES = ("poisson", "shuffle")
@@ -152,6 +153,47 @@ def shuffle_steps_per_epoch(*, num_examples: int, batch_size: int) -> int:
     if b > n:
         raise ValueError(f"batch_size must be <= num_examples={n}, got {batch_size!r}.")
     return -(-n // b)
+
+
+def steps_for_epochs(
+    epochs: float,
+    *,
+    num_examples: int,
+    expected_batch_size: float,
+    sampling: str = "poisson",
+) -> int:
+    """Logical steps after `epochs` passes over the data: the one definition dpcore uses.
+
+    Poisson: ceil(E · N / B), the steps whose expected examples cover E passes (TF Privacy's
+    `compute_dp_sgd_privacy` convention). Shuffle: ceil(E · ceil(N / B)), whole passes of
+    fixed-size batches, the last one padded. Training in epochs runs
+    `steps_for_epochs(k + 1) - steps_for_epochs(k)` steps in epoch k, so the steps after E
+    epochs are the same wherever they are counted (the CLI, `DPConfig.from_epochs`, the
+    training and audit scripts).
+
+    Args:
+      epochs: E > 0 (may be fractional); 0 gives 0 steps.
+      num_examples: N >= 1.
+      expected_batch_size: B in (0, N] (a whole number for shuffle).
+      sampling: `"poisson"` or `"shuffle"`.
+
+    Returns:
+      The step count, >= 1 for E > 0.
+    """
+    check_choice(sampling, SAMPLING_MODES, "sampling")
+    if not _is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) < 0:
+        raise ValueError(f"epochs must be a finite number >= 0, got {epochs!r}.")
+    n = check_positive_int(num_examples, "num_examples")
+    if not _is_number(expected_batch_size) or not 0 < expected_batch_size <= n:
+        raise ValueError(
+            f"expected_batch_size must be in (0, num_examples={n}], got {expected_batch_size!r}."
+        )
+    if float(epochs) == 0:
+        return 0
+    if sampling == "shuffle":
+        spe = shuffle_steps_per_epoch(num_examples=n, batch_size=int(expected_batch_size))
+        return max(1, math.ceil(float(epochs) * spe - 1e-9))
+    return max(1, math.ceil(float(epochs) * n / float(expected_batch_size) - 1e-9))
 
 
 def shuffle_epochs(*, steps: int, steps_per_epoch: int) -> int:

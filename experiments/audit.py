@@ -147,7 +147,7 @@ def sampling_plan(settings: AuditSettings, pool_size: int, num_examples: int) ->
     from dpcore.config import DPConfig
 
     batch = min(settings.batch_size, pool_size)
-    steps = DPConfig.from_epochs(  # DPConfig's steps for E epochs: ceil(E / q)
+    steps = DPConfig.from_epochs(  # the library's steps for E epochs: ceil(E · N / B)
         epochs=settings.epochs,
         l2_norm_clip=settings.l2_norm_clip,
         noise_multiplier=0.0,
@@ -221,10 +221,10 @@ def _train(settings: AuditSettings, dp_model: Any, data: dict[str, Any], plan: S
     """Trains for the plan's Poisson-sampled logical steps; returns the steps taken."""
     from dpcore import sampling
 
-    steps_per_epoch = max(1, round(1 / plan.sampling_prob))
+    steps_per_epoch = plan.steps / settings.epochs  # for chunking and progress only
     done, start = 0, time.perf_counter()
     while done < plan.steps:
-        chunk = min(settings.log_every * steps_per_epoch, plan.steps - done)
+        chunk = min(max(1, math.ceil(settings.log_every * steps_per_epoch)), plan.steps - done)
         batches = sampling.poisson_batches(
             data["x_train"],
             data["y_train"],

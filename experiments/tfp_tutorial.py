@@ -90,7 +90,9 @@ def run_tutorial(
         keras.utils.set_random_seed(seed)
     (x, y), (x_test, y_test) = dpcore.data.load_dataset(dataset, data_dir)
     x, x_test = x[..., None], x_test[..., None]  # [n, h, w, 1] as in the tutorial
-    steps_per_epoch = max(1, round(len(x) / batch_size))
+    steps_per_epoch = dpcore.accounting.steps_for_epochs(
+        1, num_examples=len(x), expected_batch_size=batch_size
+    )
     config = dpcore.DPConfig(
         l2_norm_clip=l2_norm_clip,
         noise_multiplier=noise_multiplier,

@@ -142,74 +142,60 @@ def build_optimizer(settings: TrainSettings) -> Any:
 # ------------------------------------------------------------------------------- privacy plan
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Derived schedule: steps per epoch, total steps, padded size, privacy parameters."""
+    """Derived schedule and σ, all read off the run's DPConfig.
+
+    Epoch k (from 0) runs logical steps ``[epoch_end_steps[k-1], epoch_end_steps[k])``; the ends
+    are ``DPConfig.steps_for_epochs(k + 1)``, the library's one definition of "steps after E
+    epochs", so the run trains exactly the steps the accountant and the epsilon CLI count.
+    """
 
     num_examples: int
-    steps_per_epoch: int
+    epoch_end_steps: tuple[int, ...]
     total_steps: int
     expected_batch_size: float
     sampling_prob: float
     noise_multiplier: float | None
 
+    def epoch_start(self, epoch: int) -> int:
+        """The logical step the epoch starts at (0 for the first)."""
+        return 0 if epoch == 0 else self.epoch_end_steps[epoch - 1]
 
-def steps_per_epoch(num_examples: int, batch_size: int, sampling: str) -> int:
-    """Logical steps per epoch, as ``DPConfig.steps_per_epoch`` defines them.
-
-    Poisson: round(N / batch) (one epoch in expectation); shuffle: ceil(N / B).
-    """
-    from dpcore.config import DPConfig
-
-    return DPConfig(
-        l2_norm_clip=1.0,
-        noise_multiplier=0.0,
-        expected_batch_size=float(min(batch_size, num_examples)),
-        num_examples=num_examples,
-        steps=1,
-        sampling=sampling,
-    ).steps_per_epoch
+    def epoch_steps(self, epoch: int) -> int:
+        """Logical steps in the epoch (they differ by one where N / B is not whole)."""
+        return self.epoch_end_steps[epoch] - self.epoch_start(epoch)
 
 
 def dp_config(settings: TrainSettings, num_examples: int, noise_multiplier: float) -> Any:
-    """The frozen DPConfig describing the whole run (what is accounted is what runs).
-
-    Its ``steps`` are ``epochs * steps_per_epoch`` (DPConfig's steps per epoch): the run trains
-    whole epochs of that many logical steps.
-    """
+    """The frozen DPConfig describing the whole run (what is accounted is what runs)."""
     from dpcore.config import DPConfig
 
-    fields = dict(
+    return DPConfig.from_epochs(
+        epochs=settings.epochs,
         l2_norm_clip=settings.l2_norm_clip,
         noise_multiplier=noise_multiplier,
         expected_batch_size=float(min(settings.batch_size, num_examples)),
         num_examples=num_examples,
-        steps=1,
         sampling=settings.sampling,
         target_delta=settings.target_delta,
     )
-    spe = DPConfig(**fields).steps_per_epoch
-    return DPConfig(**{**fields, "steps": settings.epochs * spe})
 
 
 def make_plan(settings: TrainSettings, num_examples: int) -> Plan:
-    """The run's schedule and σ, all read off its DPConfig (σ calibrated for --target_epsilon)."""
+    """The run's schedule and σ (calibrated by the accountant when --target_epsilon is given)."""
     from dpcore.config import DPConfig
 
     config = dp_config(settings, num_examples, settings.noise_multiplier or 0.0)
     noise = settings.noise_multiplier
     if settings.dp and settings.target_epsilon is not None:
-        calibrated = DPConfig.calibrated(
-            target_epsilon=settings.target_epsilon,
-            target_delta=config.target_delta,
-            l2_norm_clip=config.l2_norm_clip,
-            expected_batch_size=config.expected_batch_size,
-            num_examples=config.num_examples,
-            steps=config.steps,
-            sampling=config.sampling,
+        fields = config.to_dict()
+        for derived in ("noise_multiplier", "sampling_prob", "epochs"):
+            fields.pop(derived)
+        noise = float(
+            DPConfig.calibrated(target_epsilon=settings.target_epsilon, **fields).noise_multiplier
         )
-        noise = float(calibrated.noise_multiplier)
     return Plan(
         num_examples=num_examples,
-        steps_per_epoch=config.steps_per_epoch,
+        epoch_end_steps=tuple(config.steps_for_epochs(k) for k in range(1, settings.epochs + 1)),
         total_steps=config.steps,
         expected_batch_size=config.expected_batch_size,
         sampling_prob=config.sampling_prob,
@@ -217,24 +203,18 @@ def make_plan(settings: TrainSettings, num_examples: int) -> Plan:
     )
 
 
-def privacy_report(settings: TrainSettings, plan: Plan, steps_done: int) -> dict[str, Any]:
-    """ε by PLD and RDP for the steps actually taken, and the DpEvent that ran."""
+def privacy_report(settings: TrainSettings, ledger: Any) -> dict[str, Any]:
+    """ε by PLD and RDP of the steps the ledger holds (those the optimizer applied)."""
     if not settings.dp:
         return {"dp": False, "epsilon": math.inf, "note": "non-private baseline"}
-    report: dict[str, Any] = {
-        "dp": True,
-        "steps": steps_done,
-        "target_delta": settings.target_delta,
-    }
-    if steps_done == 0:
+    delta = settings.target_delta
+    report: dict[str, Any] = {"dp": True, "steps": ledger.steps, "target_delta": delta}
+    if ledger.steps == 0:
         report.update(epsilon=0.0, epsilon_pld=0.0, epsilon_rdp=0.0, dp_event=None)
         return report
-    config = dataclasses.replace(
-        dp_config(settings, plan.num_examples, plan.noise_multiplier), steps=steps_done
-    )
-    report["dp_event"] = str(config.dp_event())
-    report["epsilon_pld"] = float(config.epsilon(accountant="pld"))
-    report["epsilon_rdp"] = float(config.epsilon(accountant="rdp"))
+    report["dp_event"] = str(ledger.dp_event())
+    report["epsilon_pld"] = float(ledger.epsilon(delta, "pld"))
+    report["epsilon_rdp"] = float(ledger.epsilon(delta, "rdp"))
     report["epsilon"] = report["epsilon_pld"]
     report["accounting"] = (
         "Poisson subsampled Gaussian (PoissonSampledDpEvent)"
@@ -257,9 +237,9 @@ def train_batches(
             x,
             y,
             sampling_prob=plan.sampling_prob,
-            steps=plan.steps_per_epoch,
+            steps=plan.epoch_steps(epoch),
             seed=settings.seed,
-            start_step=epoch * plan.steps_per_epoch,
+            start_step=plan.epoch_start(epoch),
         )
     seed = None if settings.seed is None else settings.seed + epoch
     return sampling.shuffled_batches(x, y, batch_size=settings.batch_size, epochs=1, seed=seed)
@@ -313,23 +293,6 @@ def _evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int) -> tupl
 
 # Settings that may differ between an interrupted run and its --resume continuation.
 _RESUME_FREE = ("resume", "stop_after_epochs", "verbose", "output_dir", "data_dir")
-
-
-def _try_privacy_report(
-    settings: TrainSettings, plan: Plan, steps: int, cache: dict[int, Any]
-) -> dict[str, Any] | None:
-    """The privacy report (memoized by step count), or None while accounting can't be imported.
-
-    Training does not depend on the accountant, so an epoch's ε that could not be computed is
-    left empty in the checkpointed results and filled in at the end of the run (or of a
-    `--resume` of a finished run).
-    """
-    if steps not in cache:
-        try:
-            cache[steps] = privacy_report(settings, plan, steps)
-        except ImportError:
-            return None
-    return cache[steps]
 
 
 def _check_same_run(previous: dict[str, Any], current: dict[str, Any]) -> None:
@@ -393,7 +356,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
-        "plan": dataclasses.asdict(plan),
+        "plan": {**dataclasses.asdict(plan), "epoch_end_steps": list(plan.epoch_end_steps)},
         "dataset": {
             "name": settings.dataset,
             "num_train": num_examples,
@@ -418,6 +381,13 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
             checkpoint, os.path.join(settings.output_dir, CHECKPOINT_DIR), max_to_keep=1
         )
 
+    epsilon_log = None  # the DP run's ε per epoch, from the steps the optimizer applied
+    if settings.dp:
+        from dpcore.accounting import PrivacyLedger
+        from dpcore.callbacks import EpsilonCallback
+
+        config = dp_config(settings, num_examples, plan.noise_multiplier)
+        epsilon_log = EpsilonCallback(config, ledger=config.new_ledger())
     start_epoch = 0
     if settings.resume:
         if manager.latest_checkpoint is None or not os.path.exists(results_path):
@@ -429,14 +399,16 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         start_epoch = int(epoch_var.numpy())
         results["epochs"] = previous["epochs"][:start_epoch]
         results["resumed_from_epoch"] = start_epoch
+        if epsilon_log is not None and "ledger" in previous:
+            epsilon_log.ledger = PrivacyLedger.from_dict(previous["ledger"])
 
-    reports: dict[int, Any] = {}
     # Train metrics use a fixed subset (the first examples) to keep evaluation cheap.
     n_eval = min(num_examples, settings.train_eval_examples)
-    steps_done = start_epoch * plan.steps_per_epoch
+    steps_done = plan.epoch_start(start_epoch)
     end_epoch = settings.epochs
     if settings.stop_after_epochs is not None:
         end_epoch = min(end_epoch, start_epoch + settings.stop_after_epochs)
+    callbacks = [] if epsilon_log is None else [epsilon_log]
     for epoch in range(start_epoch, end_epoch):
         batches = train_batches(settings, plan, x_train, y_train, epoch)
         if not settings.dp:
@@ -446,9 +418,14 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
             # The epoch's dataset is finite with unknown cardinality (a rare overflow adds
             # chunks), so Keras warns when it ends; that end is intended.
             warnings.filterwarnings("ignore", message="Your input ran out of data")
-            train_model.fit(batches, epochs=1, verbose=0, shuffle=False)
+            train_model.fit(batches, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
         train_time = time.perf_counter() - start
-        steps_done += plan.steps_per_epoch
+        steps_done = plan.epoch_end_steps[epoch]
+        if epsilon_log is not None and epsilon_log.ledger.steps != steps_done:
+            raise RuntimeError(
+                f"epoch {epoch + 1} should end at logical step {steps_done}, but the optimizer "
+                f"has applied {epsilon_log.ledger.steps}; the run's accounting would not match."
+            )
         train_loss, train_acc = _evaluate(
             train_model, x_train[:n_eval], y_train[:n_eval], settings.eval_batch_size
         )
@@ -462,12 +439,11 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
             "wall_time_s": train_time,
             "steps": steps_done,
         }
-        report = _try_privacy_report(settings, plan, steps_done, reports)
-        if settings.dp:
-            record["epsilon"] = None if report is None else report["epsilon"]
+        if epsilon_log is not None:
+            record["epsilon"] = epsilon_log.history[-1]["epsilon"]
         results["epochs"].append(record)
         if settings.verbose:
-            eps = f" eps={record['epsilon']:.3f}" if record.get("epsilon") is not None else ""
+            eps = f" eps={record['epsilon']:.3f}" if "epsilon" in record else ""
             print(
                 f"epoch {epoch + 1}/{settings.epochs}: train_acc={train_acc:.4f} "
                 f"test_acc={test_acc:.4f} test_loss={test_loss:.4f}{eps} ({train_time:.1f}s)",
@@ -476,15 +452,13 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         epoch_var.assign(epoch + 1)
         if manager is not None:
             manager.save(checkpoint_number=epoch + 1)
-            results["privacy"] = report
+            if epsilon_log is not None:
+                results["ledger"] = epsilon_log.ledger.to_dict()
             common.write_json_atomic(results_path, results, sort_keys=True, default=str)
 
-    results["privacy"] = _try_privacy_report(settings, plan, steps_done, reports)
-    for record in results["epochs"]:
-        if settings.dp and record.get("epsilon") is None and results["privacy"] is not None:
-            record["epsilon"] = _try_privacy_report(settings, plan, record["steps"], reports)[
-                "epsilon"
-            ]
+    results["privacy"] = privacy_report(
+        settings, None if epsilon_log is None else epsilon_log.ledger
+    )
     results["completed"] = steps_done == plan.total_steps
     last = results["epochs"][-1] if results["epochs"] else {}
     results["test_accuracy"] = last.get("test_accuracy")
@@ -571,9 +545,7 @@ def main(argv: list[str]) -> None:
     privacy = results["privacy"]
     print(f"dataset: {settings.dataset} ({results['dataset']['num_train']} train examples)")
     print(f"test accuracy: {results['test_accuracy']:.4f}")
-    if settings.dp and privacy is None:
-        print("epsilon: not computed (the accounting package is unavailable); rerun with --resume")
-    elif settings.dp:
+    if settings.dp:
         print(
             f"epsilon: {privacy['epsilon']:.3f} (PLD; RDP {privacy['epsilon_rdp']:.3f}) "
             f"at delta={settings.target_delta:g}, noise_multiplier="

@@ -43,6 +43,36 @@ def test_from_epochs_step_counts():
     assert shuffle.steps == 470 and shuffle.epochs == 2.0
 
 
+def test_one_definition_of_steps_for_epochs():
+    """Epoch k of a run in epochs ends at steps_for_epochs(k) wherever steps are counted."""
+    from dpcore.accounting import steps_for_epochs
+
+    fields = {k: v for k, v in BASE.items() if k != "steps"}
+    for sampling in ("poisson", "shuffle"):
+        cfg = DPConfig.from_epochs(epochs=3, **{**fields, "sampling": sampling})
+        ends = [cfg.steps_for_epochs(k) for k in range(4)]
+        assert ends[0] == 0 and ends[1] == cfg.steps_per_epoch == 235
+        assert ends[3] == cfg.steps
+        assert all(235 - 1 <= b - a <= 235 for a, b in zip(ends, ends[1:]))  # whole epochs
+        for epochs in (0.5, 1, 2.5, 60):
+            assert cfg.steps_for_epochs(epochs) == steps_for_epochs(
+                epochs, num_examples=60000, expected_batch_size=256, sampling=sampling
+            )
+    # Poisson counts expected examples (ceil(E N / B)); shuffle counts whole padded passes.
+    assert steps_for_epochs(3, num_examples=60000, expected_batch_size=256) == 704
+    assert (
+        steps_for_epochs(3, num_examples=60000, expected_batch_size=256, sampling="shuffle") == 705
+    )
+    assert steps_for_epochs(1, num_examples=10, expected_batch_size=10) == 1
+    for bad in (-1, math.inf, math.nan, "2"):
+        with pytest.raises(ValueError, match="epochs"):
+            steps_for_epochs(bad, num_examples=100, expected_batch_size=10)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        steps_for_epochs(1, num_examples=100, expected_batch_size=101)
+    with pytest.raises(ValueError, match="sampling"):
+        steps_for_epochs(1, num_examples=100, expected_batch_size=10, sampling="shuffled")
+
+
 def test_classic_check_through_the_config():
     cfg = DPConfig.from_epochs(epochs=60, **{k: v for k, v in BASE.items() if k != "steps"})
     assert cfg.epsilon("rdp") == pytest.approx(2.597, abs=1e-3)

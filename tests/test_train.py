@@ -39,10 +39,20 @@ def test_cnn_is_the_tramer_boneh_architecture():
     assert train.build_model("mlp", (8, 8, 1)).output_shape == (None, 10)
 
 
-def test_steps_per_epoch():
-    assert train.steps_per_epoch(60000, 2048, "poisson") == 29
-    assert train.steps_per_epoch(60000, 2048, "shuffle") == 30
-    assert train.steps_per_epoch(10, 64, "poisson") == 1
+def test_epochs_end_where_the_library_counts_steps_for_epochs():
+    from dpcore.accounting import steps_for_epochs
+
+    # Poisson: ceil(E * N / B) after E epochs, so epochs of N / B = 29.3 steps run 30 or 29.
+    plan = train.make_plan(_settings(epochs=3, batch_size=2048, dataset="fashion_mnist"), 60000)
+    assert plan.epoch_end_steps == (30, 59, 88)
+    assert [plan.epoch_steps(k) for k in range(3)] == [30, 29, 29]
+    assert (
+        plan.total_steps == 88 == steps_for_epochs(3, num_examples=60000, expected_batch_size=2048)
+    )
+    shuffle = train.make_plan(_settings(epochs=2, batch_size=2048, sampling="shuffle"), 60000)
+    assert shuffle.epoch_end_steps == (30, 60)
+    tiny = train.make_plan(_settings(epochs=1, batch_size=64), 10)  # B > N: one step of all
+    assert tiny.epoch_end_steps == (1,) and tiny.expected_batch_size == 10
 
 
 def test_settings_validation():
@@ -126,7 +136,7 @@ def test_dp_run_records_event_and_epsilon(tmp_path):
     results = train.run_training(settings)
     privacy = results["privacy"]
     plan = results["plan"]
-    assert plan["steps_per_epoch"] == 6 and plan["total_steps"] == 12
+    assert plan["epoch_end_steps"] == [6, 12] and plan["total_steps"] == 12
     assert "PoissonSampledDpEvent" in privacy["dp_event"]
     assert "count=12" in privacy["dp_event"]
     expected = DPConfig(
@@ -175,7 +185,7 @@ def test_dp_resume_matches_uninterrupted_run(tmp_path):
 
 def test_shuffle_mode_reports_no_amplification_bound(tmp_path):
     results = train.run_training(_settings(tmp_path, epochs=1, batch_size=256, sampling="shuffle"))
-    assert results["plan"]["steps_per_epoch"] == 6
+    assert results["plan"]["epoch_end_steps"] == [6]
     assert "PoissonSampled" not in results["privacy"]["dp_event"]
     assert "no Poisson amplification" in results["privacy"]["accounting"]
 
