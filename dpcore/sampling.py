@@ -18,6 +18,15 @@ Contract:
     consumer accumulates the chunks and adds noise once, on `step_end`.
   * The dataset arrays are held once (as tensors captured by the pipeline); each step draws an
     O(N) Bernoulli vector and gathers only the selected rows, so memory stays bounded.
+  * `sharded_poisson_batches` is `poisson_batches` split across W workers (multi-worker
+    `tf.distribute`): example i belongs to worker i mod W, and every worker draws the same
+    global coins (one shared seed) and keeps the rows of its own shard, so the union of the
+    workers' samples at a step is exactly `poisson_batches`' sample for that seed and step (the
+    global sample is Poisson with the same q). Every worker emits the same number of chunks per
+    step (the largest any shard needs: each worker counts every shard's sample from the shared
+    coins), all of the same padded size, so the workers stay in lockstep with no communication.
+    Its `SamplingSpec` is the global one (N, q, expected batch size q * N) plus the worker count
+    and index; a multi-worker run refuses data whose spec is not sharded for its worker count.
   * `shuffled_batches` yields the same 4-tuple for the (non-Poisson) shuffle mode: every
     example exactly once per epoch, the last partial batch padded and masked.
   * Every returned dataset carries a `SamplingSpec` (read it with `sampling_spec(ds)`): the
@@ -95,6 +104,8 @@ __all__ = [
     "padded_batch_size_for",
     "poisson_batches",
     "sampling_spec",
+    "shard_indices",
+    "sharded_poisson_batches",
     "shuffled_batches",
     "with_sampling_spec",
 ]
@@ -229,6 +240,9 @@ class SamplingSpec:
       steps: logical steps in one iteration over the dataset (one Keras epoch).
       padded_batch_size: rows in every element (P).
       start_step: Poisson: index of the first step (resumed runs); 0 for shuffle.
+      num_workers: W, the workers that each sample a disjoint shard of the N examples
+        (`sharded_poisson_batches`); 1 for a single machine's sampler.
+      worker_index: which shard this dataset draws from (0 <= worker_index < num_workers).
     """
 
     sampling: str
@@ -238,6 +252,8 @@ class SamplingSpec:
     steps: int
     padded_batch_size: int
     start_step: int = 0
+    num_workers: int = 1
+    worker_index: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling not in _MODES:
@@ -250,6 +266,18 @@ class SamplingSpec:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
         if not 0.0 < float(self.sampling_prob) <= 1.0:
             raise ValueError(f"sampling_prob must be in (0, 1], got {self.sampling_prob!r}.")
+        if not 1 <= int(self.num_workers) <= int(self.num_examples):
+            raise ValueError(
+                f"num_workers must be in [1, num_examples={self.num_examples}], got "
+                f"{self.num_workers!r}."
+            )
+        if not 0 <= int(self.worker_index) < int(self.num_workers):
+            raise ValueError(
+                f"worker_index must be in [0, num_workers={self.num_workers}), got "
+                f"{self.worker_index!r}."
+            )
+        if self.num_workers > 1 and self.sampling != "poisson":
+            raise ValueError("only Poisson sampling is sharded across workers.")
         poisson = self.sampling == "poisson"
         if poisson and not _same(self.expected_batch_size, self.sampling_prob * self.num_examples):
             raise ValueError(
@@ -258,6 +286,12 @@ class SamplingSpec:
             )
 
     def _describe(self) -> str:
+        if self.sampling == "poisson" and self.num_workers > 1:
+            return (
+                f"sharded_poisson_batches(sampling_prob={self.sampling_prob:.6g}, num_workers="
+                f"{self.num_workers}, worker_index={self.worker_index}) over "
+                f"num_examples={self.num_examples}"
+            )
         if self.sampling == "poisson":
             return (
                 f"poisson_batches(sampling_prob={self.sampling_prob:.6g}) over "
@@ -282,6 +316,41 @@ class SamplingSpec:
                 "different sampling than the one that runs. Build the sampler and the "
                 "optimizer from one DPConfig (sampling_prob=config.sampling_prob)."
             )
+
+    def check_workers(self, num_workers: int, worker_index: int) -> None:
+        """Refuses data that is not this worker's shard of a W-worker sampling.
+
+        Args:
+          num_workers: the workers of the run (W).
+          worker_index: this worker's index in the run.
+
+        Raises:
+          ValueError: if the data samples all N examples on a multi-worker run (every worker
+            would sample the whole dataset), is sharded for another worker count, or is
+            another worker's shard.
+
+        Privacy:
+          With every worker sampling the full dataset an example could be in W places of one
+          global step: its contribution to the noised sum would be up to W * C while the noise
+          is scaled to C. Disjoint shards keep the sensitivity at C.
+        """
+        if int(self.num_workers) == int(num_workers) and int(self.worker_index) == int(
+            worker_index
+        ):
+            return
+        if self.num_workers == 1:
+            raise ValueError(
+                f"the run has {num_workers} workers but the data comes from {self._describe()}: "
+                "every worker would sample the whole dataset, so one example could be in "
+                f"{num_workers} replicas of one step (sensitivity {num_workers} x C, noise "
+                "scaled to C). Use dpcore.sampling.sharded_poisson_batches(..., num_workers="
+                f"{num_workers}, worker_index=<this worker>, seed=<a seed shared by all "
+                "workers>)."
+            )
+        raise ValueError(
+            f"the data comes from {self._describe()}, but this is worker {worker_index} of "
+            f"{num_workers}: each worker must sample its own shard of the same sharding."
+        )
 
     def check_config(self, config: Any) -> None:
         """Refuses a `DPConfig` that accounts for a different sampling than this one.
@@ -438,11 +507,19 @@ def _gather_padded(tree: Any, indices: tf.Tensor, padded_size: int) -> Any:
     return tf.nest.map_structure(one, tree)
 
 
-def _chunked(xs: Any, ys: Any, indices: tf.Tensor, padded_size: int) -> tf.data.Dataset:
-    """Split `indices` into ceil(n / P) (at least one) padded, masked chunks."""
+def _chunked(
+    xs: Any,
+    ys: Any,
+    indices: tf.Tensor,
+    padded_size: int,
+    num_chunks: tf.Tensor | None = None,
+) -> tf.data.Dataset:
+    """Split `indices` into ceil(n / P) (at least one) padded, masked chunks, or into
+    `num_chunks` (int64, at least that many) when given: extra chunks are all padding."""
     count = tf.shape(indices, out_type=tf.int64)[0]
     p = tf.constant(padded_size, tf.int64)
-    num_chunks = tf.maximum(tf.constant(1, tf.int64), (count + p - 1) // p)
+    if num_chunks is None:
+        num_chunks = _chunks_for(count, p)
 
     def chunk(c: tf.Tensor) -> SampledBatch:
         sel = indices[c * p : (c + 1) * p]
@@ -460,6 +537,37 @@ def _chunked(xs: Any, ys: Any, indices: tf.Tensor, padded_size: int) -> tf.data.
         )
 
     return tf.data.Dataset.range(num_chunks).map(chunk)
+
+
+def _chunks_for(count: tf.Tensor, p: tf.Tensor) -> tf.Tensor:
+    """ceil(count / p), at least 1 (an empty sample is one all-padding chunk)."""
+    return tf.maximum(tf.constant(1, tf.int64), tf.reduce_max((count + p - 1) // p))
+
+
+def _check_poisson_args(sampling_prob: float, steps: int, start_step: int) -> float:
+    """Validates the Poisson sampler's arguments; returns q as a float."""
+    q = float(sampling_prob)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling_prob must be in (0, 1], got {sampling_prob}.")
+    if int(steps) < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}.")
+    if int(start_step) < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}.")
+    return q
+
+
+def _padded_size(n: int, q: float, padded_batch_size: int | None) -> int:
+    p = padded_batch_size_for(n, q) if padded_batch_size is None else int(padded_batch_size)
+    if p < 1:
+        raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}.")
+    return p
+
+
+def _step_coins(key: tf.Tensor, step: tf.Tensor, n: int, q: float) -> tf.Tensor:
+    """Bool ``[n]``: which of the N examples step `step` includes (float64 Philox coins)."""
+    step_key = tf.random.experimental.stateless_fold_in(key, step, alg="philox")
+    u = tf.random.stateless_uniform([n], seed=step_key, dtype=tf.float64, alg="philox")
+    return u < tf.constant(q, tf.float64)
 
 
 def poisson_batches(
@@ -507,28 +615,14 @@ def poisson_batches(
       when that is acceptable.
     """
     n = num_examples(x, y)
-    q = float(sampling_prob)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"sampling_prob must be in (0, 1], got {sampling_prob}.")
-    if int(steps) < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}.")
-    if int(start_step) < 0:
-        raise ValueError(f"start_step must be >= 0, got {start_step}.")
-    p = padded_batch_size_for(n, q) if padded_batch_size is None else int(padded_batch_size)
-    if p < 1:
-        raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}.")
+    q = _check_poisson_args(sampling_prob, steps, start_step)
+    p = _padded_size(n, q, padded_batch_size)
     xs, ys = _to_tensors(x), _to_tensors(y)
-    q64 = tf.constant(q, tf.float64)
     start = int(start_step)
 
-    def iteration(key: tf.Tensor) -> tf.data.Dataset:
-        def step_sample(step: tf.Tensor) -> tf.data.Dataset:
-            step_key = tf.random.experimental.stateless_fold_in(key, step, alg="philox")
-            u = tf.random.stateless_uniform([n], seed=step_key, dtype=tf.float64, alg="philox")
-            indices = tf.where(u < q64)[:, 0]
-            return _chunked(xs, ys, indices, p)
-
-        return tf.data.Dataset.range(start, start + int(steps)).flat_map(step_sample)
+    def step_sample(key: tf.Tensor, step: tf.Tensor) -> tf.data.Dataset:
+        indices = tf.where(_step_coins(key, step, n, q))[:, 0]
+        return _chunked(xs, ys, indices, p)
 
     spec = SamplingSpec(
         sampling="poisson",
@@ -539,9 +633,132 @@ def poisson_batches(
         padded_batch_size=p,
         start_step=start,
     )
+    return _poisson_pipeline(step_sample, seed=seed, spec=spec)
+
+
+def _poisson_pipeline(step_sample: Any, *, seed: int | None, spec: SamplingSpec) -> tf.data.Dataset:
+    """`step_sample(key, step)` for the spec's steps, a fresh key per iteration, tagged."""
+
+    def iteration(key: tf.Tensor) -> tf.data.Dataset:
+        steps = tf.data.Dataset.range(spec.start_step, spec.start_step + spec.steps)
+        return steps.flat_map(lambda step: step_sample(key, step))
+
     return with_sampling_spec(
         _per_iteration(_base_key(seed), iteration).prefetch(tf.data.AUTOTUNE), spec
     )
+
+
+def shard_indices(num_examples: int, *, num_workers: int, worker_index: int) -> np.ndarray:
+    """The examples worker `worker_index` of `num_workers` owns: i with i mod W == worker_index.
+
+    The W shards are disjoint and cover range(num_examples); their sizes differ by at most one.
+
+    Args:
+      num_examples: N (>= 1).
+      num_workers: W, in [1, N].
+      worker_index: in [0, W).
+
+    Returns:
+      int64 array of the owned example indices, ascending.
+    """
+    n, w, i = int(num_examples), int(num_workers), int(worker_index)
+    if n < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}.")
+    if not 1 <= w <= n:
+        raise ValueError(f"num_workers must be in [1, num_examples={n}], got {num_workers}.")
+    if not 0 <= i < w:
+        raise ValueError(f"worker_index must be in [0, num_workers={w}), got {worker_index}.")
+    return np.arange(i, n, w, dtype=np.int64)
+
+
+def sharded_poisson_batches(
+    x: Any,
+    y: Any,
+    *,
+    sampling_prob: float,
+    steps: int,
+    num_workers: int,
+    worker_index: int,
+    seed: int | None,
+    padded_batch_size: int | None = None,
+    start_step: int = 0,
+) -> tf.data.Dataset:
+    """One worker's share of a Poisson sampling that W workers run together.
+
+    Example i belongs to worker i mod W (`shard_indices`). At every step all workers draw the
+    same coins as `poisson_batches` with this `seed` (one per example, from a Philox key of the
+    shared seed and the step); each keeps the sampled examples of its own shard. So the union
+    of the W samples is exactly the single-machine sample, each example is included with
+    probability `sampling_prob` independently of the others and of other steps, and no example
+    is in two workers' samples. From the same coins every worker also counts every shard's
+    sample, and emits as many chunks per step as the fullest shard needs (padding chunks
+    where it needs fewer): all workers run the same number of elements, with `step_end` at
+    the same places, without communicating.
+
+    Args:
+      x: the full dataset's features (N rows, the same on every worker); only this worker's
+        shard is kept by the pipeline.
+      y: labels, same convention.
+      sampling_prob: q in (0, 1], the global per-example inclusion probability.
+      steps: logical steps per iteration (>= 0), the same on every worker.
+      num_workers: W (>= 1, at most N).
+      worker_index: this worker's index in [0, W) (the chief is usually 0).
+      seed: the seed every worker passes: required for W > 1 (the workers must draw the same
+        coins); draw it per run with `dpcore.distribute.shared_seed(strategy)`, which is
+        OS entropy broadcast from the chief. None only for W = 1 (OS entropy).
+      padded_batch_size: rows per element; default `padded_batch_size_for(ceil(N / W), q)`
+        (the largest shard's overflow probability per step below 1e-12).
+      start_step: index of the first step (resumed runs), as in `poisson_batches`.
+
+    Returns:
+      A `tf.data.Dataset` of `(x, y, mask, step_end)` whose `SamplingSpec` is the global one
+      (N, q, expected batch size q * N) with `num_workers` and `worker_index`.
+
+    Raises:
+      ValueError: for out-of-range arguments, or `seed=None` with more than one worker.
+
+    Privacy:
+      The global sample is the Poisson subsampling `PoissonSampledDpEvent(q, ...)` accounts for,
+      provided the W workers' batches of a step go into one noised update (the clipped sums
+      all-reduced, noise added once, divided by the global q * N) and each worker feeds its own
+      shard. A seed known to others makes the sample choice predictable to them, as in
+      `poisson_batches`; `shared_seed` keeps it within the run.
+    """
+    n = num_examples(x, y)
+    q = _check_poisson_args(sampling_prob, steps, start_step)
+    workers, index = int(num_workers), int(worker_index)
+    own = shard_indices(n, num_workers=workers, worker_index=index)
+    if seed is None and workers > 1:
+        raise ValueError(
+            "sharded_poisson_batches needs a seed shared by all workers when num_workers > 1 "
+            "(they draw the same coins): pass seed=dpcore.distribute.shared_seed(strategy)."
+        )
+    rows = -(-n // workers)  # the largest shard
+    p = _padded_size(rows, q, padded_batch_size)
+    xs, ys = (
+        tf.nest.map_structure(lambda t: tf.gather(t, own), _to_tensors(tree)) for tree in (x, y)
+    )
+
+    def step_sample(key: tf.Tensor, step: tf.Tensor) -> tf.data.Dataset:
+        coins = _step_coins(key, step, n, q)
+        # Row r, column w of the grid: example r * W + w (padding: never sampled).
+        grid = tf.reshape(tf.pad(coins, [[0, rows * workers - n]]), [rows, workers])
+        counts = tf.reduce_sum(tf.cast(grid, tf.int64), axis=0)
+        num_chunks = _chunks_for(counts, tf.constant(p, tf.int64))
+        return _chunked(xs, ys, tf.where(grid[:, index])[:, 0], p, num_chunks)
+
+    spec = SamplingSpec(
+        sampling="poisson",
+        num_examples=n,
+        sampling_prob=q,
+        expected_batch_size=q * n,
+        steps=int(steps),
+        padded_batch_size=p,
+        start_step=int(start_step),
+        num_workers=workers,
+        worker_index=index,
+    )
+    return _poisson_pipeline(step_sample, seed=seed, spec=spec)
 
 
 def shuffled_batches(
