@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from dpcore.engine.ghost import fast_summary
 from dpcore.engine.summary import prepare_batch
+from dpcore.explain import explain
 from dpcore.losses import per_example_loss_fn
 from dpcore.options import ExecutionOptions
 from dpcore.rules import default_registry, linear, lookup
@@ -340,3 +341,92 @@ def test_registry_is_explicit_and_exact():
     assert rule is None and "MyDense" in why
     rule, _ = lookup(reg, keras.layers.Dense(2))
     assert rule is not None and rule.name == "dense"
+
+
+def _lora(layer, input_shape, rank, alpha, rng):
+    """``layer`` built on ``input_shape`` with LoRA enabled, random adapters (B is zero at first)."""
+    model = _single(layer, input_shape)
+    layer.enable_lora(rank, lora_alpha=alpha)
+    for v in (layer.lora_kernel_a, layer.lora_kernel_b):
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    return model
+
+
+LORA_DENSE_CASES = {  # (layer, input shape, rank, alpha, path)
+    "2d_tanh": (lambda: keras.layers.Dense(4, activation="tanh"), (5,), 2, 3, "ghost"),
+    "seq_ghost": (lambda: keras.layers.Dense(16), (3, 16), 4, None, "ghost"),
+    "seq_materialized": (lambda: keras.layers.Dense(3), (8, 4), 2, 5, "materialized"),
+    "no_bias": (lambda: keras.layers.Dense(3, use_bias=False), (2, 3, 4), 1, 2, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LORA_DENSE_CASES))
+def test_dense_lora(case, rng):
+    make, shape, rank, alpha, path = LORA_DENSE_CASES[case]
+    layer = make()
+    model = _lora(layer, shape, rank, alpha, rng)
+    assert not layer._kernel.trainable  # noqa: SLF001 - the frozen base kernel
+    modes = MODES if case == "2d_tanh" else FAST_MODES
+    check_rule(model, *_data(model, 4, rng), modes=modes, expect_path=path)
+
+
+LORA_EINSUM_CASES = dict(EINSUM_CASES)  # the kernel's last axis is output-only in each
+
+
+@pytest.mark.parametrize("case", sorted(LORA_EINSUM_CASES))
+def test_einsum_dense_lora(case, rng):
+    eq, in_shape, out_shape, bias = LORA_EINSUM_CASES[case]
+    layer = keras.layers.EinsumDense(eq, output_shape=out_shape, bias_axes=bias, activation="tanh")
+    model = _lora(layer, in_shape, 2, 3, rng)
+    modes = MODES if case in ("heads_in", "ellipsis") else FAST_MODES
+    paths = check_rule(model, *_data(model, 4, rng), modes=modes)
+    assert paths[layer.name] in ("ghost", "materialized")  # the rule, not the fallback
+    assert explain(model).paths()[layer.name] == paths[layer.name]
+
+
+def test_lora_rule_does_no_work_for_the_frozen_kernel(rng):
+    from dpcore.rules.base import Use
+
+    layer = keras.layers.Dense(3)
+    _lora(layer, (4, 5), 2, None, rng)
+    a = tf.constant(rng.normal(size=(2, 4, 5)).astype("float32"))
+    g = tf.constant(rng.normal(size=(2, 4, 3)).astype("float32"))
+    rule, why = lookup(default_registry(), layer)
+    assert rule is not None, why
+    got = [vg.variable.path for vg in rule.grads(layer, [Use(capture={"a": a}, grad=g)])]
+    assert got == [layer.lora_kernel_a.path, layer.lora_kernel_b.path, layer.bias.path]
+
+
+def test_lora_with_frozen_adapter_and_shared_layer(rng):
+    """Only B trains (A frozen); the layer is called twice: uses concatenated, cross terms kept."""
+    layer = keras.layers.Dense(4, activation="tanh")
+    inputs = keras.Input((3, 4))
+    model = keras.Model(inputs, layer(layer(inputs)))
+    layer.enable_lora(2, lora_alpha=4)
+    for v in (layer.lora_kernel_a, layer.lora_kernel_b):
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    layer.lora_kernel_a.trainable = False
+    assert len(model.trainable_variables) == 2  # B and the bias
+    paths = check_rule(model, *_data(model, 4, rng), modes=FAST_MODES)
+    assert paths[layer.name] == "materialized"  # B: T = 2 * 3, r = 2, P = 4
+    row = {r.name: r for r in explain(model).rows}[layer.name]
+    assert row.path == "materialized" and "lora A frozen" in row.why, row
+
+
+def test_lora_with_trainable_base_kernel_falls_back(rng):
+    """A LoRA layer that also trains its base kernel is not the rule's case: exact fallback."""
+    layer = keras.layers.Dense(3)
+    model = _lora(layer, (5,), 2, None, rng)
+    layer._kernel.trainable = True  # noqa: SLF001 - unfreeze the base kernel
+    rule, why = lookup(default_registry(), layer)
+    assert rule is None and "also trains" in why
+    check_rule(model, *_data(model, 4, rng), modes=("eager",), expect_path="fallback:vectorized")
+
+
+def test_lora_explain_reports_both_adapters(rng):
+    dense = keras.layers.Dense(5, name="lora_dense")
+    einsum = keras.layers.EinsumDense("abc,cde->abde", (6, 2, 4), bias_axes="de", name="lora_ed")
+    for layer, shape, path in ((dense, (8,), "ghost"), (einsum, (6, 8), "materialized")):
+        row = {r.name: r for r in explain(_lora(layer, shape, 2, None, rng)).rows}[layer.name]
+        assert row.path == path and "LoRA rank 2, base kernel frozen" in row.why, row
+        assert f"lora A {path}" in row.why and "lora B" in row.why, row

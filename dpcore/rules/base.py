@@ -41,6 +41,7 @@ __all__ = [
     "cast_input",
     "from_per_example",
     "materialized_plan",
+    "quantized_variant",
     "unsupported_variant",
     "weighted_rows",
 ]
@@ -189,6 +190,11 @@ def unsupported_variant(layer: Any) -> str | None:
     """Why a LoRA-enabled or quantized Keras layer is not handled (None for the plain layer)."""
     if getattr(layer, "lora_enabled", False):
         return f"{type(layer).__name__} {layer.name!r} has LoRA enabled"
+    return quantized_variant(layer)
+
+
+def quantized_variant(layer: Any) -> str | None:
+    """Why a quantized Keras layer is not handled (None when it is not quantized)."""
     if getattr(layer, "quantization_mode", None):
         return f"{type(layer).__name__} {layer.name!r} is quantized ({layer.quantization_mode})"
     return None
