@@ -39,7 +39,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dpcore import sampling, validation
+from dpcore import distribute, sampling, validation
 from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
@@ -75,37 +75,6 @@ def _bind(method: Any, x: Any, y: Any, args: tuple, kwargs: dict) -> dict[str, A
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
     return arguments
-
-
-def _for_replicas(dataset: Any, replicas: int) -> Any:
-    """The sampler's ``(x, y, mask, step_end)`` dataset, made splittable across replicas.
-
-    A multi-replica strategy splits every component of a batch along its rows, so ``step_end``
-    is copied to every row (as float32; ``_unpack`` folds it back) and the batch is padded with
-    masked rows to a multiple of ``replicas``, so that every replica gets the same number of
-    rows (at least one; padding is data-independent). Other inputs are returned unchanged.
-    """
-    if replicas <= 1 or not isinstance(dataset, tf.data.Dataset):
-        return dataset
-    spec = sampling.as_sampled_batch(dataset.element_spec)
-    if spec is None or spec.step_end.shape.rank != 0:
-        return dataset
-    rows = spec.mask.shape[0]
-    if rows is None:
-        raise ValueError(
-            "a (x, y, mask, step_end) dataset under a multi-replica strategy needs a static "
-            "batch size; use dpcore.sampling's batches (fixed padded_batch_size)."
-        )
-    extra = -rows % replicas if rows >= replicas else replicas - rows
-
-    def pad(t: tf.Tensor) -> tf.Tensor:
-        return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
-
-    def split(x: Any, y: Any, mask: tf.Tensor, end: tf.Tensor) -> sampling.SampledBatch:
-        x, y, mask = tf.nest.map_structure(pad, (x, y, mask))
-        return sampling.SampledBatch(x, y, mask, tf.fill(tf.shape(mask), tf.cast(end, tf.float32)))
-
-    return dataset.map(split)
 
 
 @contextlib.contextmanager
@@ -254,11 +223,13 @@ class DPModel(keras.Model):
         arguments.setdefault("shuffle", False)
         replicas = self.distribute_strategy.num_replicas_in_sync
         if "validation_data" in arguments:
-            arguments["validation_data"] = _for_replicas(arguments["validation_data"], replicas)
+            arguments["validation_data"] = distribute.for_replicas(
+                arguments["validation_data"], replicas
+            )
         steps_given = arguments.get("steps_per_epoch") is not None
         self._build_compiled_state(x)
         self._whole_steps = masked
-        arguments["x"] = _for_replicas(x, replicas)
+        arguments["x"] = distribute.for_replicas(x, replicas)
         try:
             with _quiet_end_of_data(x, steps_given):
                 return super().fit(**arguments)
@@ -353,7 +324,7 @@ class DPModel(keras.Model):
         x = arguments["x"]
         steps_given = arguments.get("steps") is not None
         self._build_compiled_state(x)
-        arguments["x"] = _for_replicas(x, self.distribute_strategy.num_replicas_in_sync)
+        arguments["x"] = distribute.for_replicas(x, self.distribute_strategy.num_replicas_in_sync)
         with _quiet_end_of_data(x, steps_given):
             return super().evaluate(**arguments)
 
@@ -486,7 +457,9 @@ class DPModel(keras.Model):
         self.loss_tracker.update_state(result.loss, sample_weight=result.num_examples)
         if self.skipped_tracker is not None:
             self.skipped_tracker.update_state(result.num_skipped)
-        return self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
+        logs = self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
+        # Adaptive clipping: the bound C and the noised unclipped fraction (released values).
+        return {**logs, **self.optimizer.adaptive_logs()}
 
     def test_step(self, data: Any) -> dict[str, Any]:
         """Evaluation on a batch: loss and metrics over the real rows."""

@@ -1,0 +1,201 @@
+"""DP training across workers (``tf.distribute.MultiWorkerMirroredStrategy``).
+
+Contract:
+- :func:`worker_info` says how many workers a strategy spans, which one this process is, and
+  whether it is the chief (worker 0, or the "chief" task). Any other strategy is one worker.
+- :func:`shared_seed` is a seed drawn from OS entropy on the chief and broadcast to every
+  worker (a variable created under a multi-worker strategy takes the chief's initial value), so
+  all workers draw the same sampling coins without a fixed, guessable seed. Every worker must
+  call it at the same point of the program (it is a collective operation).
+- :func:`distribute_sampled` feeds a sampler's dataset to ``strategy.run``: under a multi-worker
+  strategy each worker's dataset must be its own shard
+  (:func:`dpcore.sampling.sharded_poisson_batches`), and each worker's elements go to its one
+  replica unchanged (no auto-sharding, no re-batching); under a single-worker strategy the
+  batches are padded with masked rows and split across the local replicas
+  (:func:`for_replicas`). Either way every replica clips its own rows and
+  :class:`dpcore.DPOptimizer` all-reduces the clipped sums and adds the noise once per global
+  step, divided by the global ``expected_batch_size``.
+- Only the chief should write run outputs (ε, ledgers, results, checkpoints):
+  :func:`is_chief`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import tensorflow as tf
+
+from dpcore import sampling
+
+__all__ = [
+    "WorkerInfo",
+    "check_sharding",
+    "distribute_sampled",
+    "for_replicas",
+    "is_chief",
+    "shared_seed",
+    "worker_info",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """Where this process stands in a (possibly multi-worker) strategy.
+
+    Attributes:
+      num_workers: W, the processes that train together (1 for a single-machine strategy).
+      worker_index: this process's index in [0, W); the chief is 0.
+      is_chief: whether this process writes the run's outputs.
+    """
+
+    num_workers: int
+    worker_index: int
+    is_chief: bool
+
+
+def worker_info(strategy: Any = None) -> WorkerInfo:
+    """The workers of ``strategy`` (default: the current one) and this process's place.
+
+    Under ``MultiWorkerMirroredStrategy`` the workers are the cluster's "chief" and "worker"
+    tasks; the chief (or worker 0 where there is no chief task) is index 0, the others follow.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    cluster = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    chiefs, workers = len(cluster.get("chief", [])), len(cluster.get("worker", []))
+    if resolver is None or chiefs + workers <= 1:
+        return WorkerInfo(num_workers=1, worker_index=0, is_chief=True)
+    task_type, task_id = resolver.task_type, int(resolver.task_id or 0)
+    if task_type == "chief":
+        index = 0
+    elif task_type == "worker":
+        index = chiefs + task_id
+    else:
+        raise ValueError(f"a {task_type!r} task does not train; run it on chief/worker tasks.")
+    return WorkerInfo(num_workers=chiefs + workers, worker_index=index, is_chief=index == 0)
+
+
+def is_chief(strategy: Any = None) -> bool:
+    """Whether this process writes the run's outputs (always True on one worker)."""
+    return worker_info(strategy).is_chief
+
+
+def shared_seed(strategy: Any = None) -> int:
+    """A non-negative 63-bit seed from the chief's OS entropy, the same on every worker.
+
+    Pass it to :func:`dpcore.sampling.sharded_poisson_batches` on every worker.
+
+    Args:
+      strategy: the run's strategy (default: the current one). All workers must call this at
+        the same point of the program: under a multi-worker strategy it is a broadcast.
+
+    Returns:
+      The seed (each worker's own entropy on a single-worker strategy: there is no one to agree
+      with).
+
+    Privacy:
+      The seed decides which examples each step samples; drawn from OS entropy per run it is
+      unknown outside the run, as the single-machine sampler's default is.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    entropy = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    with strategy.scope():
+        # A variable's initial value is broadcast from the chief under a multi-worker strategy.
+        seed = tf.Variable(tf.constant(entropy, tf.int64), trainable=False, name="shared_seed")
+    return int(seed.numpy())
+
+
+def for_replicas(dataset: Any, replicas: int) -> Any:
+    """The sampler's ``(x, y, mask, step_end)`` dataset, made splittable across local replicas.
+
+    A multi-replica strategy splits every component of a batch along its rows, so ``step_end``
+    is copied to every row (as float32; :func:`dpcore.sampling.as_sampled_batch` consumers fold
+    it back) and the batch is padded with masked rows to a multiple of ``replicas``, so that
+    every replica gets the same number of rows (at least one; padding is data-independent).
+    Other inputs are returned unchanged.
+    """
+    if replicas <= 1 or not isinstance(dataset, tf.data.Dataset):
+        return dataset
+    spec = sampling.as_sampled_batch(dataset.element_spec)
+    if spec is None or spec.step_end.shape.rank != 0:
+        return dataset
+    rows = spec.mask.shape[0]
+    if rows is None:
+        raise ValueError(
+            "a (x, y, mask, step_end) dataset under a multi-replica strategy needs a static "
+            "batch size; use dpcore.sampling's batches (fixed padded_batch_size)."
+        )
+    extra = -rows % replicas if rows >= replicas else replicas - rows
+
+    def pad(t: tf.Tensor) -> tf.Tensor:
+        return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
+
+    def split(*element: Any) -> sampling.SampledBatch:
+        # A SampledBatch reaches .map as one argument, a plain 4-tuple as four.
+        batch = sampling.as_sampled_batch(element[0] if len(element) == 1 else element)
+        assert batch is not None
+        end = batch.step_end
+        x, y, mask = tf.nest.map_structure(pad, (batch.x, batch.y, batch.mask))
+        return sampling.SampledBatch(x, y, mask, tf.fill(tf.shape(mask), tf.cast(end, tf.float32)))
+
+    return dataset.map(split)
+
+
+def check_sharding(dataset: Any, strategy: Any = None) -> None:
+    """Refuses sampler data that does not match the strategy's workers.
+
+    Raises:
+      ValueError: under a multi-worker strategy, for data whose
+        :class:`~dpcore.sampling.SamplingSpec` is not this worker's shard (e.g. every worker
+        sampling the whole dataset), for sampler batches without a spec, or for more than one
+        replica per worker.
+
+    Privacy:
+      Disjoint shards keep an example in at most one replica of a global step, so the clipped
+      sum's sensitivity stays C, the scale of the noise.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    info = worker_info(strategy)
+    if info.num_workers == 1:
+        return
+    if strategy.num_replicas_in_sync != info.num_workers:
+        raise ValueError(
+            f"{strategy.num_replicas_in_sync} replicas on {info.num_workers} workers: dpcore "
+            "supports one replica per worker under a multi-worker strategy."
+        )
+    spec = sampling.sampling_spec(dataset)
+    if spec is None:
+        raise ValueError(
+            f"a {info.num_workers}-worker run needs each worker's shard of the sampling, from "
+            "dpcore.sampling.sharded_poisson_batches (its SamplingSpec says which shard); this "
+            "data carries no SamplingSpec, so nothing says its workers' samples are disjoint."
+        )
+    spec.check_workers(info.num_workers, info.worker_index)
+
+
+def distribute_sampled(strategy: Any, dataset: tf.data.Dataset) -> Any:
+    """A sampler's dataset as ``strategy``'s distributed dataset (see the module contract).
+
+    Args:
+      strategy: the ``tf.distribute`` strategy of the run.
+      dataset: this worker's ``(x, y, mask, step_end)`` dataset; under a multi-worker strategy
+        its shard from :func:`dpcore.sampling.sharded_poisson_batches`.
+
+    Returns:
+      A distributed dataset whose elements are ``strategy.run`` arguments.
+
+    Raises:
+      ValueError: see :func:`check_sharding`.
+
+    Privacy:
+      Each example is in at most one replica's rows of a step (disjoint shards, or the rows of
+      one batch split across local replicas).
+    """
+    check_sharding(dataset, strategy)
+    if worker_info(strategy).num_workers > 1:
+        return strategy.distribute_datasets_from_function(lambda _: dataset)
+    return strategy.experimental_distribute_dataset(
+        for_replicas(dataset, strategy.num_replicas_in_sync)
+    )

@@ -1,0 +1,145 @@
+"""One worker of the multi-worker tests (run by tests/test_distribute.py via launch_local).
+
+Usage: python tests/mwms_worker.py <scenario> <output folder>. Every worker writes
+``<output folder>/worker<i>.json`` with what the test compares across workers and against a
+single-process run of the same global sample (computed here too, outside the strategy).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import tensorflow as tf  # noqa: E402
+
+# Before any other TensorFlow op of the process.
+STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dpcore  # noqa: E402
+from dpcore import distribute, sampling  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+N, Q, STEPS, SEED = 48, 0.25, 5, 7
+
+
+def _data(d=5):
+    rng = np.random.default_rng(0)
+    x = (2 * rng.normal(size=(N, d))).astype("float32")
+    y = rng.integers(0, 3, N).astype("int32")
+    return x, y
+
+
+def _model(d=5, use_bias=True):
+    init = keras.initializers.GlorotUniform(seed=0)
+    return keras.Sequential(
+        [keras.Input((d,)), keras.layers.Dense(3, kernel_initializer=init, use_bias=use_bias)]
+    )
+
+
+def _optimizer(sigma, seed):
+    return dpcore.DPOptimizer(
+        keras.optimizers.SGD(1.0),
+        l2_norm_clip=0.5,
+        noise_multiplier=sigma,
+        expected_batch_size=Q * N,
+        seed=seed,
+    )
+
+
+def _train(x, y, *, sigma, seed, strategy, dataset, d=5, use_bias=True):
+    """Custom loop: strategy.run(dp_train_step) over the (distributed) sampler batches."""
+    with strategy.scope():
+        model = _model(d, use_bias)
+        opt = _optimizer(sigma, seed)
+        opt.build(model.trainable_variables)
+    w0 = [v.numpy() for v in model.trainable_variables]
+
+    @tf.function
+    def step(batch):
+        def one(x, y, mask, end):
+            return dpcore.dp_train_step(model, LOSS, x, y, optimizer=opt, mask=mask, step_end=end)
+
+        return strategy.run(one, args=tuple(batch))
+
+    for batch in distribute.distribute_sampled(strategy, dataset):
+        step(batch)
+    deltas = [v.numpy() - a for v, a in zip(model.trainable_variables, w0)]
+    return deltas, opt
+
+
+def _flat(arrays):
+    return np.concatenate([np.ravel(a) for a in arrays])
+
+
+def dp_step(out):
+    info = distribute.worker_info(STRATEGY)
+    seed = distribute.shared_seed(STRATEGY)
+    x, y = _data()
+    result = {"info": [info.num_workers, info.worker_index, info.is_chief], "shared_seed": seed}
+
+    def shard():
+        return sampling.sharded_poisson_batches(
+            x,
+            y,
+            sampling_prob=Q,
+            steps=STEPS,
+            seed=SEED,
+            num_workers=info.num_workers,
+            worker_index=info.worker_index,
+        )
+
+    def single():
+        return sampling.poisson_batches(x, y, sampling_prob=Q, steps=STEPS, seed=SEED)
+
+    default = tf.distribute.get_strategy()
+    for sigma in (0.0, 1.0):
+        # seed None: the noise seed is OS entropy, broadcast from the chief with the variables.
+        multi, opt = _train(x, y, sigma=sigma, seed=None, strategy=STRATEGY, dataset=shard())
+        noise_seed = [int(s) for s in opt.noise_seed.numpy()]
+        one, _ = _train(x, y, sigma=sigma, seed=noise_seed, strategy=default, dataset=single())
+        result[f"sigma{sigma:g}"] = {
+            "delta": _flat(multi).tolist(),
+            "single_delta": _flat(one).tolist(),
+            "noise_seed": noise_seed,
+            "dp_steps": int(opt.dp_steps.numpy()),
+        }
+    # Noise only: a bias-free layer on all-zero inputs has zero gradients, so one step's update
+    # (learning rate 1) is the noise divided by the expected batch size.
+    d = 400
+    zeros = np.zeros((N, d), "float32")
+    shard0 = sampling.sharded_poisson_batches(
+        zeros,
+        y,
+        sampling_prob=Q,
+        steps=1,
+        seed=SEED,
+        num_workers=info.num_workers,
+        worker_index=info.worker_index,
+    )
+    noise, _ = _train(
+        zeros, y, sigma=1.0, seed=None, strategy=STRATEGY, dataset=shard0, d=d, use_bias=False
+    )
+    alone = sampling.poisson_batches(zeros, y, sampling_prob=Q, steps=1, seed=SEED)
+    noise1, _ = _train(
+        zeros, y, sigma=1.0, seed=None, strategy=default, dataset=alone, d=d, use_bias=False
+    )
+    result["noise_std"] = [float(_flat(noise).std()), float(_flat(noise1).std())]
+    result["noise_size"] = int(_flat(noise).size)
+    try:  # every worker sampling the whole dataset is refused
+        distribute.distribute_sampled(STRATEGY, single())
+        result["full_refused"] = False
+    except ValueError as e:
+        result["full_refused"] = "whole dataset" in str(e)
+    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1], sys.argv[2]
+    {"dp_step": dp_step}[scenario](out)

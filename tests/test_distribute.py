@@ -1,0 +1,76 @@
+"""Tests for dpcore.distribute: multi-worker DP training with 2 local worker processes.
+
+The multi-worker tests start their workers with `dpcore_experiments.launch_local.launch` on free
+loopback ports, bounded by a timeout (a worker whose peer died would block in a collective op
+forever; the launcher kills every worker at the timeout or when one fails).
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpcore import distribute, sampling
+from dpcore_experiments.launch_local import launch
+
+WORKER = str(Path(__file__).with_name("mwms_worker.py"))
+
+
+def _run_workers(scenario: str, tmp_path: Path, workers: int = 2) -> list[dict]:
+    runs = launch(
+        [sys.executable, WORKER, scenario, str(tmp_path)],
+        workers=workers,
+        timeout_s=400,
+        log_dir=str(tmp_path / "logs"),
+    )
+    for run in runs:
+        assert run.returncode == 0, Path(run.log_path).read_text()[-4000:]
+    return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(workers)]
+
+
+def test_single_process_is_one_chief_worker():
+    info = distribute.worker_info()
+    assert (info.num_workers, info.worker_index, info.is_chief) == (1, 0, True)
+    assert distribute.is_chief()
+    assert distribute.shared_seed() >= 0
+    x, y = np.zeros((8, 2), "float32"), np.zeros(8, "int32")
+    ds = sampling.poisson_batches(x, y, sampling_prob=0.5, steps=2, seed=0)
+    distribute.check_sharding(ds)  # one worker: any sampler's data is fine
+
+
+def test_for_replicas_pads_to_a_multiple_and_copies_step_end():
+    x, y = np.ones((10, 2), "float32"), np.zeros(10, "int32")
+    ds = sampling.poisson_batches(x, y, sampling_prob=0.5, steps=1, padded_batch_size=5, seed=0)
+    for batch in distribute.for_replicas(ds, 2).take(1):
+        xb, yb, mask, end = batch
+        assert xb.shape[0] == yb.shape[0] == mask.shape[0] == end.shape[0] == 6
+        assert float(tf.reduce_sum(mask[5:])) == 0.0
+        assert len(set(end.numpy().tolist())) == 1
+
+
+@pytest.mark.slow
+def test_dp_step_on_two_workers_matches_one_process(tmp_path):
+    """Custom loop (strategy.run of dp_train_step) on 2 workers over the sharded sampler."""
+    w0, w1 = _run_workers("dp_step", tmp_path)
+    assert w0["info"] == [2, 0, True] and w1["info"] == [2, 1, False]
+    assert w0["shared_seed"] == w1["shared_seed"]
+    for key in ("sigma0", "sigma1"):
+        a, b = w0[key], w1[key]
+        # Same noise seed (OS entropy, broadcast from the chief), steps and weights everywhere.
+        assert a["noise_seed"] == b["noise_seed"]
+        assert a["dp_steps"] == b["dp_steps"] == 5
+        np.testing.assert_array_equal(a["delta"], b["delta"])
+        # The same update as one process on the same global sample (and the same noise seed).
+        assert np.abs(a["delta"]).max() > 0.05
+        np.testing.assert_allclose(a["delta"], a["single_delta"], rtol=0, atol=1e-6)
+    # Noise once per global step: std sigma * C / expected_batch_size, not sqrt(2) times it.
+    target = 1.0 * 0.5 / 12.0
+    n = w0["noise_size"]
+    for std in w0["noise_std"]:  # 2 workers, then 1 process
+        # The sample std of n standard normals is within 5/sqrt(2n) of 1 but for ~3e-7.
+        assert abs(std - target) < 5 * target / math.sqrt(2 * n)
+    assert w0["full_refused"] and w1["full_refused"]
