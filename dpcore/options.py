@@ -6,9 +6,10 @@ that computes per-example quantities (:func:`dpcore.engine.summarize`,
 :func:`dpcore.step.dp_step`, :class:`dpcore.DPModel`). It holds execution choices only (engine
 path, training mode, memory chunking, non-finite handling, input gradients, layer rules); the
 privacy parameters (``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size``) belong to
-the :class:`dpcore.DPOptimizer` and :class:`dpcore.DPConfig`. No option changes the privacy
-guarantee: every path clips each example with a certified norm bound. Each option has exactly one
-default, defined here.
+the :class:`dpcore.DPOptimizer` and :class:`dpcore.DPConfig`. No option weakens the privacy
+guarantee: every path clips each privacy unit with a certified norm bound. ``group_size`` says what
+a unit is (a layout of the batch: contiguous blocks of rows, one row by default); the guarantee is
+then per unit. Each option has exactly one default, defined here.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ if TYPE_CHECKING:  # annotation only: options imports no rules at run time
 
 METHODS = ("auto", "vectorized", "fast")
 NONFINITE_MODES = ("raise", "skip")
+GROUP_REDUCTIONS = ("sum", "mean")
 
-__all__ = ["METHODS", "NONFINITE_MODES", "ExecutionOptions"]
+__all__ = ["GROUP_REDUCTIONS", "METHODS", "NONFINITE_MODES", "ExecutionOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,14 @@ class ExecutionOptions:
       registry: fast-path layer rules (``{layer class: LayerRule}``); None uses
         :func:`dpcore.rules.default_registry`. Extend it with ``{**default_registry(), MyLayer:
         my_rule}``.
+      group_size: the batch's layout of privacy units: rows ``[u*K, (u+1)*K)`` form unit ``u``
+        (``K = group_size``), whose gradient is clipped once (user-level DP, augmentation
+        multiplicity). Per-example quantities (norms, losses, clip factors, the mask) are then per
+        unit, and ``expected_batch_size`` counts units. The batch size must be a multiple of
+        ``K``; a unit's padding rows have mask 0, and an all-padding unit contributes nothing.
+        1 (the default): every row is its own unit. With ``chunk_size``, chunks count units.
+      group_reduction: how a unit's rows make its loss: ``"sum"`` of the rows' (weighted) losses,
+        or ``"mean"`` over its real (unmasked) rows, e.g. the average over augmented views.
     """
 
     method: str = "auto"
@@ -53,6 +63,8 @@ class ExecutionOptions:
     nonfinite: str = "raise"
     wrt_inputs: bool = False
     registry: Registry | None = dataclasses.field(default=None, compare=False)
+    group_size: int = 1
+    group_reduction: str = "sum"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -73,6 +85,13 @@ class ExecutionOptions:
             )
         if self.chunk_size is not None and self.wrt_inputs:
             raise ValueError("wrt_inputs=True is not supported together with chunk_size.")
+        k = self.group_size
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"group_size must be a positive integer, got {k!r}.")
+        if self.group_reduction not in GROUP_REDUCTIONS:
+            raise ValueError(
+                f"group_reduction={self.group_reduction!r}; expected one of {GROUP_REDUCTIONS}."
+            )
         if self.registry is not None and not isinstance(self.registry, Mapping):
             raise TypeError(
                 f"registry must be a mapping {{layer class: LayerRule}}, got {self.registry!r}."
@@ -92,6 +111,8 @@ class ExecutionOptions:
             self.nonfinite,
             self.wrt_inputs,
             None if self.registry is None else id(self.registry),
+            self.group_size,
+            self.group_reduction,
         )
 
 

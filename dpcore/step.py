@@ -37,9 +37,12 @@ class DPStepResult:
       loss: mean per-example loss over the real (unmasked) examples, before the update.
       per_example_loss: ``[B]``, zero where masked.
       y_pred: the model's output on the batch.
-      mask: ``[B]`` float32, 0 for padding or skipped examples.
-      num_examples: realized number of real examples.
-      per_example_norms: ``[B]`` unclipped gradient norms (zero where masked).
+      mask: ``[B]`` float32, 0 for padding or skipped examples (per row, also with privacy units
+        of several rows).
+      num_examples: realized number of real examples (of units with ``options.group_size``).
+      per_example_norms: ``[B]`` unclipped gradient norms (zero where masked); per unit
+        (``[B / K]``) with ``options.group_size = K``, as are ``per_example_loss`` and ``loss``
+        (the mean unit loss).
       input_gradients: per-example gradients w.r.t. the inputs, or None.
       num_skipped: real examples dropped by ``nonfinite="skip"`` (non-finite inputs, labels,
         weights, loss or gradient); always 0 with ``"raise"``.
@@ -104,7 +107,7 @@ def dp_step(
         loss=mean_loss,
         per_example_loss=summary.per_example_loss,
         y_pred=summary.y_pred,
-        mask=summary.mask,
+        mask=summary.mask if summary.row_mask is None else summary.row_mask,
         num_examples=num,
         per_example_norms=clipped.per_example_norms,
         input_gradients=summary.input_gradients,

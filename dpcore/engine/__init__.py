@@ -31,10 +31,13 @@ from dpcore import validation
 from dpcore.engine.summary import (
     GradientSummary,
     batch_size_of,
+    check_group_layout,
     check_variables,
     drop_nonfinite,
     drop_rows,
     prepare_batch,
+    unit_mask,
+    unit_weights,
 )
 from dpcore.engine.vectorized import materialize, vectorized_summary
 from dpcore.losses import per_example_loss_fn
@@ -84,26 +87,37 @@ def summarize(
         chunking, non-finite handling, input gradients, layer rules); defaults when None.
 
     Returns:
-      A :class:`GradientSummary`.
+      A :class:`GradientSummary`; with ``options.group_size = K`` its per-example quantities are
+      per privacy unit (rows ``[u*K, (u+1)*K)``), see :class:`dpcore.ExecutionOptions`.
 
     Raises:
       ValueError: for a model without trainable variables, a scalar loss or a batch-size
-        mismatch; TypeError for options that are not an ``ExecutionOptions``.
+        mismatch (or a batch size that is not a multiple of ``group_size``); TypeError for options
+        that are not an ``ExecutionOptions``.
 
     Privacy:
-      Every per-example quantity depends on one example only; masked and skipped examples have
-      zero norm and zero weight. The model is validated (:func:`dpcore.validation.check_model`).
+      Every per-example quantity depends on one example (one unit) only; masked and skipped
+      examples have zero norm and zero weight. The model is validated
+      (:func:`dpcore.validation.check_model`).
     """
     options = resolve(options)
+    group = options.group_size
     variables = check_variables(model.trainable_variables if variables is None else variables)
     loss_fn = per_example_loss_fn(loss)
+    check_group_layout(x, group)
     requested = tf.reduce_sum(
-        tf.ones([batch_size_of(x)], tf.float32)
-        if mask is None
-        else tf.cast(tf.cast(tf.reshape(mask, [-1]), tf.float32) != 0, tf.float32)
+        unit_mask(
+            tf.ones([batch_size_of(x)], tf.float32)
+            if mask is None
+            else tf.cast(tf.cast(tf.reshape(mask, [-1]), tf.float32) != 0, tf.float32),
+            group,
+        )
     )
     x, y, sample_weight, mask = prepare_batch(
         x, y, sample_weight, mask, nonfinite=options.nonfinite
+    )
+    sample_weight = unit_weights(
+        sample_weight, mask, group_size=group, group_reduction=options.group_reduction
     )
     validation.check_model(model, x, training=options.training, require_variables=False)
     use_fast = options.method == "fast" or (
@@ -118,11 +132,18 @@ def summarize(
         return path(model, loss_fn, x, y, sample_weight, mask, variables, options=options)
 
     def recompute(keep: tf.Tensor) -> GradientSummary:
-        # The batch without its non-finite rows, exactly as prepare_batch drops a padding row.
-        return run(*drop_rows(x, y, sample_weight, mask, keep))
+        # The batch without its non-finite rows (units), as prepare_batch drops a padding row.
+        return run(*drop_rows(x, y, sample_weight, mask, tf.repeat(keep, group)))
 
-    summary = drop_nonfinite(run(x, y, sample_weight, mask), recompute, nonfinite=options.nonfinite)
-    return dataclasses.replace(summary, num_skipped=requested - tf.reduce_sum(summary.mask))
+    summary = drop_nonfinite(
+        run(x, y, sample_weight, mask), recompute, nonfinite=options.nonfinite, group_size=group
+    )
+    row_mask = None
+    if group > 1:  # the rows of dropped units are out too
+        row_mask = mask * tf.repeat(summary.mask, group)
+    return dataclasses.replace(
+        summary, num_skipped=requested - tf.reduce_sum(summary.mask), row_mask=row_mask
+    )
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -178,7 +199,8 @@ def per_example_gradients(
 
     Returns:
       A list of per-example gradients, or ``(list, input_grads)`` with ``options.wrt_inputs``,
-      where ``input_grads`` has the structure of ``x`` (None for non-floating leaves).
+      where ``input_grads`` has the structure of ``x`` (None for non-floating leaves). With
+      ``options.group_size = K`` the gradients are per unit, ``[B / K, *var.shape]``.
 
     Privacy:
       Returns unclipped per-example gradients: sensitive data. Clip and noise them before release.
@@ -188,7 +210,11 @@ def per_example_gradients(
     loss_fn = per_example_loss_fn(loss)
 
     def build(x: Any, y: Any, sample_weight: Any, mask: Any) -> Any:
+        check_group_layout(x, options.group_size)
         xp, yp, sw, mk = prepare_batch(x, y, sample_weight, mask, nonfinite=options.nonfinite)
+        sw = unit_weights(
+            sw, mk, group_size=options.group_size, group_reduction=options.group_reduction
+        )
         validation.check_model(model, xp, training=options.training, require_variables=False)
         grads, in_grads, _, _ = materialize(
             model, loss_fn, xp, yp, sw * mk, variables, options=options

@@ -16,6 +16,10 @@ per-example gradients of that layer alone, from its recorded inputs and output g
 whose graph cannot be replayed (subclassed models) fall back as a whole to the vectorized path with
 a warning saying why. A layer called several times contributes the norm of the *sum* of its
 per-example gradients over all calls. Masked examples have zero loss, zero norms and zero weight.
+With privacy units of several rows (``options.group_size = K``) the forward and backward passes
+run on rows as always; each layer's rule (or fallback) then sees unit ``u`` as one example that
+called the layer ``K`` times (:func:`dpcore.rules.base.unit_uses`), so norms and clipped sums are
+per unit with the cross terms between the unit's rows counted, never per row.
 Everything is plain TensorFlow, traceable once inside the caller's compiled step (XLA included).
 """
 
@@ -28,10 +32,23 @@ from typing import Any
 import tensorflow as tf
 
 from dpcore.engine import graph
-from dpcore.engine.summary import GradientSummary, check_variables, weighted_loss
+from dpcore.engine.summary import (
+    GradientSummary,
+    check_variables,
+    to_units,
+    unit_mask,
+    weighted_loss,
+)
 from dpcore.options import ExecutionOptions, resolve
 from dpcore.rules import default_registry, lookup
-from dpcore.rules.base import LayerRule, Registry, Use, VariableGrad, from_per_example
+from dpcore.rules.base import (
+    LayerRule,
+    Registry,
+    Use,
+    VariableGrad,
+    from_per_example,
+    unit_uses,
+)
 
 __all__ = ["fast_summary", "supports", "fallback_reason"]
 
@@ -96,9 +113,15 @@ class _Recorder:
     """Intercepts leaf layer calls during the forward pass (state for one trace only)."""
 
     def __init__(
-        self, tape: tf.GradientTape, registry: Registry, wanted: set[int], training: Any
+        self,
+        tape: tf.GradientTape,
+        registry: Registry,
+        wanted: set[int],
+        training: Any,
+        group_size: int = 1,
     ) -> None:
         self.tape = tape
+        self.group_size = group_size
         self.registry = registry
         self.wanted = wanted
         self.training = training
@@ -132,6 +155,9 @@ class _Recorder:
         key = id(layer)
         if key not in self.layers:
             rule, reason = lookup(self.registry, layer)
+            if rule is not None and self.group_size > 1 and not rule.groupable:
+                reason = f"rule {rule.name!r} cannot split units of several rows"
+                rule = None
             self.layers[key] = (layer, rule, reason)
             self.names[key] = self.prefix + layer.name
         _, rule, _ = self.layers[key]
@@ -234,8 +260,9 @@ def fast_summary(
       mask: ``[B]`` float32 (0 for padding).
       variables: variables to differentiate.
       options: ``training`` (passed to every layer call), ``wrt_inputs`` (also per-example
-        gradients w.r.t. the floating inputs, same pass) and ``registry`` (layer rules, default
-        :func:`~dpcore.rules.default_registry`) are used.
+        gradients w.r.t. the floating inputs, same pass), ``registry`` (layer rules, default
+        :func:`~dpcore.rules.default_registry`) and ``group_size`` (privacy units of several
+        rows; norms, losses and the mask are then per unit) are used.
 
     Returns:
       A :class:`GradientSummary` whose ``paths`` maps each differentiated layer's name to its
@@ -248,6 +275,7 @@ def fast_summary(
     """
     options = resolve(options)
     training, wrt_inputs, registry = options.training, options.wrt_inputs, options.registry
+    group = options.group_size
     variables = check_variables(variables)
 
     def whole_model_fallback(reason: str) -> GradientSummary:
@@ -274,7 +302,7 @@ def fast_summary(
     try:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(float_inputs)
-            recorder = _Recorder(tape, registry, wanted, training)
+            recorder = _Recorder(tape, registry, wanted, training, group)
             recorder.want(variables)
             y_pred = graph.run(model, x, training=training, layer_fn=recorder)
             per_example_loss = weighted_loss(loss_fn, y, y_pred, weights)
@@ -286,12 +314,13 @@ def fast_summary(
     grads_z, grads_x = tape.gradient(
         total, (zs, float_inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO
     )
-    batch = tf.shape(weights)[0]
+    batch = tf.shape(weights)[0] // group
     by_variable: dict[int, VariableGrad] = {}
     paths: dict[str, str] = {}
     for key, gz in zip(keys, grads_z):
         layer, rule, why = recorder.layers[key]
         uses = [Use(capture=c, grad=g) for (_, c), g in zip(recorder.calls[key], gz)]
+        uses = unit_uses(uses, group)  # unit u: one example that called the layer K times
         if rule is not None:
             found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
         else:
@@ -301,7 +330,12 @@ def fast_summary(
             by_variable[id(vg.variable)] = vg
     per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]
     sq_norms = tf.stack([tf.cast(vg.sq_norm, tf.float64) for vg in per_var], axis=1)
-    sq_norms = sq_norms * tf.cast(mask, tf.float64)[:, None]
+    units = unit_mask(mask, group)
+    sq_norms = sq_norms * tf.cast(units, tf.float64)[:, None]
+    row_mask = None
+    if group > 1:
+        row_mask = tf.cast(mask, tf.float32)
+        per_example_loss = tf.reduce_sum(to_units(per_example_loss, group), axis=1)
 
     def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
         clip_weights = tf.cast(clip_weights, tf.float32)
@@ -317,9 +351,10 @@ def fast_summary(
         variables=tuple(variables),
         sq_norms=sq_norms,
         per_example_loss=per_example_loss,
-        mask=tf.cast(mask, tf.float32),
+        mask=units,
         y_pred=y_pred,
         weighted_sum=weighted_sum,
         input_gradients=input_gradients,
         paths=paths,
+        row_mask=row_mask,
     )

@@ -4,6 +4,11 @@ Contract: an engine path (vectorized or fast) turns one batch into a :class:`Gra
 per-example squared gradient norms for each variable, and a way to form weighted sums of the
 per-example gradients without the caller ever seeing them. Masked examples have zero loss, zero
 norm and zero weight. Everything here runs inside the caller's compiled step.
+
+Privacy units of several rows (``ExecutionOptions.group_size = K``): rows ``[u*K, (u+1)*K)`` form
+unit ``u``; the summary's per-example quantities (norms, losses, mask, weights) are then per unit,
+while predictions and input gradients stay per row. :func:`to_units`, :func:`unit_mask` and
+:func:`unit_weights` are the shared layout helpers.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ class GradientSummary:
       num_skipped: float32 count of real (unmasked) examples dropped by ``nonfinite="skip"``
         (non-finite inputs, labels, weights, loss or gradient); set by
         :func:`dpcore.engine.summarize`.
+      row_mask: with privacy units of several rows, the ``[rows]`` mask of the rows that took part
+        (``mask`` is then per unit); None when every row is its own unit.
+
+    With ``group_size = K`` every "example" above is a unit of ``K`` rows: ``sq_norms`` is
+    ``[U, V]``, ``per_example_loss`` and ``mask`` are ``[U]`` and ``weighted_sum`` takes ``[U, V]``.
     """
 
     variables: tuple[Any, ...]
@@ -48,6 +58,60 @@ class GradientSummary:
     input_gradients: Any = None
     paths: dict[str, str] = dataclasses.field(default_factory=dict)
     num_skipped: Any = None
+    row_mask: Any = None
+
+
+def to_units(t: tf.Tensor, group_size: int) -> tf.Tensor:
+    """``[U*K, ...] -> [U, K, ...]``: the rows of each privacy unit along axis 1."""
+    t = tf.convert_to_tensor(t)
+    return tf.reshape(t, tf.concat([[-1, group_size], tf.shape(t)[1:]], 0))
+
+
+def from_units(t: tf.Tensor) -> tf.Tensor:
+    """``[U, K, ...] -> [U*K, ...]`` (the inverse of :func:`to_units`)."""
+    return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+
+
+def unit_mask(mask: tf.Tensor, group_size: int) -> tf.Tensor:
+    """``[U]`` float32: 1 for a unit with at least one real row, 0 for an all-padding unit."""
+    if group_size == 1:
+        return tf.cast(mask, tf.float32)
+    return tf.reduce_max(to_units(tf.cast(mask, tf.float32), group_size), axis=1)
+
+
+def unit_weights(
+    sample_weight: tf.Tensor, mask: tf.Tensor, *, group_size: int, group_reduction: str
+) -> tf.Tensor:
+    """Row sample weights that make each unit's loss the sum or the mean of its rows' losses.
+
+    ``"mean"`` divides the weights of unit ``u``'s rows by its number of real rows ``n_u`` (1 for
+    an all-padding unit), so the unit's gradient is the average of its real rows' gradients.
+
+    Privacy:
+      ``n_u`` depends on unit ``u`` alone, and the unit's gradient is clipped as a whole.
+    """
+    if group_size == 1 or group_reduction == "sum":
+        return sample_weight
+    real = tf.reduce_sum(to_units(tf.cast(mask > 0, tf.float32), group_size), axis=1)
+    return sample_weight / tf.repeat(tf.maximum(real, 1.0), group_size)
+
+
+def check_group_layout(x: Any, group_size: int) -> None:
+    """Refuses a batch whose size is not a multiple of ``group_size`` (statically when known)."""
+    if group_size == 1:
+        return
+    static_b = tf.convert_to_tensor(tf.nest.flatten(x)[0]).shape[0]
+    if static_b is not None and static_b % group_size:
+        raise ValueError(
+            f"batch size {static_b} is not a multiple of group_size={group_size}: units of "
+            "several rows are contiguous blocks of exactly group_size rows (pad with masked rows)."
+        )
+    if static_b is None:
+        tf.debugging.assert_equal(
+            batch_size_of(x) % group_size,
+            0,
+            message=f"dpcore: the batch size must be a multiple of group_size={group_size}",
+        )
 
 
 def batch_size_of(x: Any) -> tf.Tensor:
@@ -189,6 +253,7 @@ def drop_nonfinite(
     recompute: Callable[[tf.Tensor], GradientSummary],
     *,
     nonfinite: str,
+    group_size: int = 1,
 ) -> GradientSummary:
     """Handles examples whose loss or gradient is not finite although their inputs are.
 
@@ -204,6 +269,8 @@ def drop_nonfinite(
       recompute: ``keep [B] bool -> GradientSummary`` of the batch with ``~keep`` rows zeroed and
         masked (only its ``weighted_sum`` is used).
       nonfinite: ``"raise"`` or ``"skip"``.
+      group_size: rows per privacy unit (the summary's rows are then units; the input gradients
+        stay per row).
 
     Returns:
       The summary with bad rows dropped (``"skip"``), or checked (``"raise"``).
@@ -245,7 +312,8 @@ def drop_nonfinite(
     keep = ok[:, None]
     input_gradients = summary.input_gradients
     if input_gradients is not None:
-        input_gradients = tf.nest.map_structure(lambda t: _zero_rows(t, ok), input_gradients)
+        ok_rows = tf.repeat(ok, group_size) if group_size > 1 else ok
+        input_gradients = tf.nest.map_structure(lambda t: _zero_rows(t, ok_rows), input_gradients)
     return dataclasses.replace(
         summary,
         sq_norms=tf.where(keep, sq, tf.zeros_like(sq)),

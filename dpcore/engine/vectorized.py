@@ -6,7 +6,9 @@ loop). When TensorFlow cannot vectorize some op of the model (stateful random op
 flow), it falls back to ``tf.map_fn`` over examples and warns once per model. With ``chunk_size``,
 the batch is processed ``chunk_size`` examples at a time: norms in a first pass and the weighted
 sum in a second, so peak memory is bounded by one chunk's gradients; every example is still
-clipped on its own.
+clipped on its own. With privacy units of several rows (``options.group_size = K``) the mapped
+element is a unit: the model runs on the unit's ``K`` rows as one small batch and the gradient is
+that of the unit's summed (weighted) loss, so only ``[U, *var.shape]`` gradients are formed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ import keras
 import tensorflow as tf
 
 from dpcore import norms
-from dpcore.engine.summary import GradientSummary, weighted_loss
+from dpcore.engine.summary import (
+    GradientSummary,
+    from_units,
+    to_units,
+    unit_mask,
+    weighted_loss,
+)
 from dpcore.options import ExecutionOptions, resolve
 
 _WARNED: weakref.WeakSet = weakref.WeakSet()
@@ -33,18 +41,23 @@ def _per_example_fn(
     *,
     training: bool,
     wrt_inputs: bool,
+    group_size: int = 1,
 ) -> Callable:
     def fn(
         args: tuple[Any, Any, tf.Tensor],
     ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
         xi, yi, wi = args
-        xb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
-        yb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), yi)
+        if group_size == 1:  # one example: a batch of one row
+            xb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
+            yb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), yi)
+            wb = tf.reshape(wi, [1])
+        else:  # one unit: a batch of its K rows
+            xb, yb, wb = xi, yi, wi
         with tf.GradientTape() as tape:
             if wrt_inputs:
                 tape.watch([t for t in tf.nest.flatten(xb) if t.dtype.is_floating])
             y_pred = model(xb, training=training)
-            loss = tf.reshape(weighted_loss(loss_fn, yb, y_pred, tf.reshape(wi, [1])), [])
+            loss = tf.reduce_sum(weighted_loss(loss_fn, yb, y_pred, wb))
         sources = list(variables)
         floats = [t for t in tf.nest.flatten(xb) if t.dtype.is_floating] if wrt_inputs else []
         grads = tape.gradient(
@@ -52,8 +65,10 @@ def _per_example_fn(
         )
         grads = [tf.convert_to_tensor(g) for g in grads]
         weight_grads = grads[: len(sources)]
-        input_grads = [g[0] for g in grads[len(sources) :]]
-        y_pred = tf.nest.map_structure(lambda t: t[0], y_pred)
+        input_grads = grads[len(sources) :]
+        if group_size == 1:
+            input_grads = [g[0] for g in input_grads]
+            y_pred = tf.nest.map_structure(lambda t: t[0], y_pred)
         return weight_grads, input_grads, loss, y_pred
 
     return fn
@@ -136,30 +151,52 @@ def materialize(
 ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
     """Per-example gradients ``[B, *var.shape]`` of ``weights[i] * loss_i``.
 
-    Uses ``options.training``, ``options.wrt_inputs`` and ``options.chunk_size``.
+    Uses ``options.training``, ``options.wrt_inputs``, ``options.chunk_size`` and
+    ``options.group_size`` (then the gradients and losses are per unit, ``[U, ...]``, of the
+    unit's summed weighted loss; chunks count units).
 
     Returns:
       ``(weight_grads, input_grads, per_example_loss, y_pred)``; ``input_grads`` holds one
-      ``[B, ...]`` tensor per floating input leaf when ``wrt_inputs``.
+      ``[B, ...]`` tensor per floating input leaf when ``wrt_inputs``; ``y_pred`` is per row.
 
     Privacy:
       Materializes every example's gradient; callers must clip before aggregating.
     """
     options = resolve(options)
     training, wrt_inputs, chunk_size = options.training, options.wrt_inputs, options.chunk_size
-    fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=wrt_inputs)
-    if chunk_size is None:
-        return _map(fn, (x, y, weights), model)
-    b = tf.shape(weights)[0]
-    chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
-
-    def per_chunk(elems: Any) -> Any:
-        return _map(fn, elems, model)
-
-    out = tf.map_fn(
-        per_chunk, chunks, fn_output_signature=_signature(per_chunk, chunks), parallel_iterations=1
+    group = options.group_size
+    fn = _per_example_fn(
+        model, loss_fn, variables, training=training, wrt_inputs=wrt_inputs, group_size=group
     )
-    return tf.nest.map_structure(lambda t: _unchunk(t, b), out)
+    elems = _as_units((x, y, weights), group)
+    if chunk_size is None:
+        out = _map(fn, elems, model)
+    else:
+        b = tf.shape(elems[2])[0]
+        chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), elems)
+
+        def per_chunk(elems: Any) -> Any:
+            return _map(fn, elems, model)
+
+        out = tf.map_fn(
+            per_chunk,
+            chunks,
+            fn_output_signature=_signature(per_chunk, chunks),
+            parallel_iterations=1,
+        )
+        out = tf.nest.map_structure(lambda t: _unchunk(t, b), out)
+    if group == 1:
+        return out
+    weight_grads, input_grads, loss, y_pred = out
+    rows = [from_units(g) for g in input_grads]
+    return weight_grads, rows, loss, tf.nest.map_structure(from_units, y_pred)
+
+
+def _as_units(elems: Any, group_size: int) -> Any:
+    """The batch ``(x, y, weights)`` with each unit's rows along axis 1 (as is for one row)."""
+    if group_size == 1:
+        return elems
+    return tf.nest.map_structure(lambda t: to_units(t, group_size), elems)
 
 
 def _unchunk(t: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -184,10 +221,14 @@ def _chunked_summary(
     *,
     training: bool,
     chunk_size: int,
+    group_size: int = 1,
 ) -> tuple[tf.Tensor, tf.Tensor, Any, Callable[[tf.Tensor], list[tf.Tensor]]]:
-    b = tf.shape(weights)[0]
-    chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), (x, y, weights))
-    fn = _per_example_fn(model, loss_fn, variables, training=training, wrt_inputs=False)
+    elems = _as_units((x, y, weights), group_size)
+    b = tf.shape(elems[2])[0]
+    chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), elems)
+    fn = _per_example_fn(
+        model, loss_fn, variables, training=training, wrt_inputs=False, group_size=group_size
+    )
 
     def norms_of_chunk(elems: Any) -> tuple[tf.Tensor, tf.Tensor, Any]:
         grads, _, loss, y_pred = _map(fn, elems, model)
@@ -202,6 +243,8 @@ def _chunked_summary(
 
     sq, loss = _unchunk(sq, b), _unchunk(loss, b)
     y_pred = tf.nest.map_structure(lambda t: _unchunk(t, b), y_pred)
+    if group_size > 1:
+        y_pred = tf.nest.map_structure(from_units, y_pred)
 
     def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
         cw = _pad_to_chunks(clip_weights, chunk_size)
@@ -242,7 +285,8 @@ def vectorized_summary(
       mask: ``[B]`` float32 (0 for padding).
       variables: variables to differentiate.
       options: ``training``, ``chunk_size`` (batch processed this many examples at a time: bounded
-        memory, two passes) and ``wrt_inputs`` (also per-example input gradients) are used.
+        memory, two passes), ``wrt_inputs`` (also per-example input gradients) and ``group_size``
+        (privacy units of several rows: norms, losses and the mask are then per unit) are used.
 
     Returns:
       A :class:`GradientSummary`.
@@ -255,7 +299,15 @@ def vectorized_summary(
     weights = sample_weight * mask
     if chunk_size is not None:  # validated by ExecutionOptions (positive; no wrt_inputs)
         sq, loss, y_pred, weighted_sum = _chunked_summary(
-            model, loss_fn, x, y, weights, variables, training=training, chunk_size=chunk_size
+            model,
+            loss_fn,
+            x,
+            y,
+            weights,
+            variables,
+            training=training,
+            chunk_size=chunk_size,
+            group_size=options.group_size,
         )
         input_grads = None
     else:
@@ -274,12 +326,14 @@ def vectorized_summary(
             input_grads = tf.nest.pack_sequence_as(
                 x, [next(it) if t.dtype.is_floating else None for t in leaves]
             )
-    sq = sq * tf.cast(mask, tf.float64)[:, None]
+    units = unit_mask(mask, options.group_size)
+    sq = sq * tf.cast(units, tf.float64)[:, None]
     return GradientSummary(
         variables=tuple(variables),
         sq_norms=sq,
         per_example_loss=loss,
-        mask=mask,
+        mask=units,
+        row_mask=None if options.group_size == 1 else tf.cast(mask, tf.float32),
         y_pred=y_pred,
         weighted_sum=weighted_sum,
         input_gradients=input_grads,

@@ -14,6 +14,12 @@ Contract:
   ``activate``. ``check`` defaults to "handles every instance", ``activate`` to the layer's
   ``activation`` (identity when it has none) and ``plan`` to ``"materialized"``, the path
   :func:`from_per_example` reports by default. See ``dpcore/rules/README.md`` for the recipe.
+- Privacy units of several rows (``ExecutionOptions.group_size = K``) need nothing from a rule:
+  the engine presents unit ``u`` (rows ``u*K .. u*K+K-1``) as one example that called the layer
+  ``K`` times (:func:`unit_uses`), so ``grads`` returns per-unit norms and sums through its
+  ordinary multi-use path. This assumes every tensor of rank >= 1 in a capture has the rows as its
+  leading axis; a rule whose capture holds anything else sets ``groupable=False`` and its layer
+  takes the per-layer vectorized fallback when units have several rows.
 - Rules never mutate layers and never read globals. Defining one registers nothing:
   registries are explicit mappings (:func:`dpcore.rules.default_registry`).
 - Dependencies run one way: this module imports only TensorFlow and :mod:`dpcore.norms` (pure
@@ -42,6 +48,7 @@ __all__ = [
     "from_per_example",
     "materialized_plan",
     "quantized_variant",
+    "unit_uses",
     "unsupported_variant",
     "weighted_rows",
 ]
@@ -125,6 +132,9 @@ class LayerRule:
         sub-layer through ``call(sublayer, args, kwargs)`` so that the engine records the
         sub-layers with their own rules. When set, ``forward``/``activate``/``grads`` are unused
         (and may be left out).
+      groupable: True (default) when every tensor of rank >= 1 in a capture has the rows as its
+        leading axis, so that a privacy unit of several rows can be handed to ``grads`` as
+        several uses (:func:`unit_uses`); False sends the layer to the per-layer fallback then.
 
     Raises:
       TypeError: a rule without ``compose`` that leaves out ``forward`` or ``grads``.
@@ -137,6 +147,7 @@ class LayerRule:
     activate: Callable[[Any, tf.Tensor], Any] = activation_or_identity
     plan: Callable[[Any, Sequence[Any]], tuple[str, str]] = materialized_plan
     compose: Callable[[Any, tuple, dict, Callable], Any] | None = None
+    groupable: bool = True
 
     def __post_init__(self) -> None:
         if self.compose is None and _composed_only in (self.forward, self.grads):
@@ -176,6 +187,37 @@ def from_per_example(
         weighted_sum=lambda w: tf.cast(weighted_rows(per_example, w), variable.dtype),
         path=path,
     )
+
+
+def unit_uses(uses: Sequence[Use], group_size: int) -> list[Use]:
+    """Row-level uses -> unit-level uses: unit ``u`` (rows ``u*K .. u*K+K-1``) becomes one example
+    that called the layer ``K`` times, so a rule's multi-use path gives per-unit quantities.
+
+    Every tensor of rank >= 1 in a capture or gradient is split by its leading (row) axis; other
+    values are passed through. Use ``k`` of the result holds row ``k`` of every unit.
+
+    Privacy:
+      Row ``u`` of the result depends on unit ``u`` alone.
+    """
+    if group_size == 1:
+        return list(uses)
+
+    def split(t: Any) -> list[Any]:
+        if not (tf.is_tensor(t) and t.shape.rank):
+            return [t] * group_size
+        units = tf.reshape(t, tf.concat([[-1, group_size], tf.shape(t)[1:]], 0))
+        return tf.unstack(units, num=group_size, axis=1)
+
+    out = []
+    for use in uses:
+        leaves = tf.nest.flatten((dict(use.capture), use.grad))
+        parts = [split(t) for t in leaves]
+        for k in range(group_size):
+            capture, grad = tf.nest.pack_sequence_as(
+                (dict(use.capture), use.grad), [p[k] for p in parts]
+            )
+            out.append(Use(capture=capture, grad=grad))
+    return out
 
 
 def cast_input(layer: Any, x: Any) -> tf.Tensor:

@@ -12,6 +12,7 @@ from dpcore.testing.reference import (
     reference_input_gradients,
     reference_per_example_gradients,
     reference_per_example_norms,
+    reference_unit_gradients,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "reference_input_gradients",
     "reference_per_example_gradients",
     "reference_per_example_norms",
+    "reference_unit_gradients",
 ]

@@ -90,6 +90,67 @@ def reference_per_example_gradients(
     return out
 
 
+def reference_unit_gradients(
+    model: Any,
+    loss: Any,
+    x: Any,
+    y: Any,
+    *,
+    group_size: int,
+    group_reduction: str = "sum",
+    sample_weight: Any = None,
+    mask: Any = None,
+    variables: Sequence[Any] | None = None,
+    training: bool = False,
+) -> list[np.ndarray]:
+    """Per-unit gradients ``[U, *var.shape]``: unit ``u`` is rows ``[u*K, (u+1)*K)``.
+
+    One unit at a time, one eager tape per real row: the gradient of the unit's loss, the sum of
+    its real rows' weighted losses (``"sum"``) or their mean (``"mean"``: the sum divided by the
+    number of real rows). An all-padding unit has an all-zero gradient.
+
+    Args:
+      model: any callable Keras model or layer.
+      loss: anything :func:`dpcore.losses.per_example_loss_fn` accepts.
+      x: inputs with a leading axis of ``U * group_size`` rows.
+      y: labels.
+      group_size: rows per unit ``K``.
+      group_reduction: ``"sum"`` or ``"mean"``.
+      sample_weight: optional ``[rows]`` weights multiplying each row's loss.
+      mask: optional ``[rows]``; masked rows contribute nothing (nor count for the mean).
+      variables: defaults to ``model.trainable_variables``.
+      training: passed to the model call.
+
+    Returns:
+      A list of numpy arrays, one ``[U, *var.shape]`` per variable.
+
+    Privacy:
+      Test-only reference; it computes exactly what the engine must compute for units.
+    """
+    rows = reference_per_example_gradients(
+        model,
+        loss,
+        x,
+        y,
+        sample_weight=sample_weight,
+        mask=mask,
+        variables=variables,
+        training=training,
+    )
+    b = rows[0].shape[0]
+    if b % group_size:
+        raise ValueError(f"{b} rows are not a multiple of group_size={group_size}.")
+    mk = np.ones(b, bool) if mask is None else np.asarray(mask).astype(bool)
+    real = mk.reshape(-1, group_size).sum(axis=1)
+    out = []
+    for g in rows:
+        units = g.reshape(-1, group_size, *g.shape[1:]).astype(np.float64).sum(axis=1)
+        if group_reduction == "mean":
+            units = units / np.maximum(real, 1).reshape(-1, *[1] * (units.ndim - 1))
+        out.append(units.astype(np.float32))
+    return out
+
+
 def reference_per_example_norms(grads: Sequence[np.ndarray]) -> np.ndarray:
     """Global L2 norm of each example's gradient from ``reference_per_example_gradients``."""
     b = grads[0].shape[0]

@@ -1,0 +1,204 @@
+"""Privacy units of several rows (``ExecutionOptions.group_size``) in the engine.
+
+Every path (fast rules, the per-layer fallback, the vectorized whole-model path, chunked or not)
+is compared with the slow exact reference :func:`dpcore.testing.reference_unit_gradients` (one
+unit at a time), with padding rows, an all-padding unit, sample weights and both reductions.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from dpcore import engine
+from dpcore.options import ExecutionOptions
+from dpcore.rules import default_registry
+from dpcore.testing import assert_sq_norm_bound, reference_unit_gradients
+from tests.models import BUILDERS, batch_for
+from tests.test_ghost import Scale  # a trainable layer without a rule
+
+RTOL = 1e-5
+K = 3
+UNITS = 4
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def _layout(rows):
+    """Sample weights and a mask: one padding row in unit 0, the last unit all padding."""
+    sw = np.linspace(0.5, 2.0, rows).astype("float32")
+    mask = np.ones(rows, "float32")
+    mask[1] = 0.0
+    mask[-K:] = 0.0
+    return sw, mask
+
+
+def _summaries(model, x, y, sw, mask, weights, methods, **opts):
+    out = {}
+    for method in methods:
+        options = ExecutionOptions(method=method, training=False, group_size=K, **opts)
+
+        @tf.function
+        def step(x, y, sw, mask, weights, options=options):
+            s = engine.summarize(model, LOSS, x, y, sample_weight=sw, mask=mask, options=options)
+            return s.sq_norms, s.weighted_sum(weights), s.mask, s.per_example_loss, s.row_mask
+
+        out[method] = tf.nest.map_structure(np.asarray, step(x, y, sw, mask, weights))
+    return out
+
+
+def check_units(model, x, y, *, reduction="sum", methods=("fast", "vectorized"), **opts):
+    """Norms (certified, tight) and clipped sums of every path match the per-unit reference."""
+    rows = tf.nest.flatten(x)[0].shape[0]
+    units = rows // K
+    sw, mask = _layout(rows)
+    ref = reference_unit_gradients(
+        model, LOSS, x, y, group_size=K, group_reduction=reduction, sample_weight=sw, mask=mask
+    )
+    ref_sq = np.stack([np.sum(g.reshape(units, -1).astype(np.float64) ** 2, 1) for g in ref], 1)
+    weights = np.random.default_rng(1).uniform(0.1, 1.0, (units, len(ref))).astype("float32")
+    ref_sums = [np.tensordot(weights[:, j], g, axes=1) for j, g in enumerate(ref)]
+    scale = max(np.abs(s).max() for s in ref_sums)
+    got = _summaries(model, x, y, sw, mask, weights, methods, group_reduction=reduction, **opts)
+    for method, (sq, sums, unit_mask, loss, row_mask) in got.items():
+        assert sq.shape == ref_sq.shape, method
+        assert_sq_norm_bound(sq, ref_sq, rtol=RTOL, atol=1e-7 * ref_sq.max(), err_msg=method)
+        for j, (s, want) in enumerate(zip(sums, ref_sums)):
+            np.testing.assert_allclose(
+                s, want, rtol=RTOL, atol=1e-6 * scale, err_msg=f"{method} var {j}"
+            )
+        np.testing.assert_array_equal(unit_mask, [1.0] * (units - 1) + [0.0])
+        np.testing.assert_array_equal(row_mask, mask)
+        assert np.all(sq[-1] == 0) and loss[-1] == 0
+    if len(got) > 1:
+        losses = [v[3] for v in got.values()]
+        np.testing.assert_allclose(losses[0], losses[1], rtol=RTOL)
+    return got
+
+
+@pytest.mark.parametrize("name", ["mlp", "tanh_cnn", "text", "norms", "two_input"])
+def test_zoo_models_units(name, rng):
+    """Dense, Conv1D/2D (ghost and offset routes), Embedding, LayerNorm, GroupNorm, two inputs."""
+    model = BUILDERS[name]()
+    x, y = batch_for(name, UNITS * K, rng)
+    check_units(model, x, y)
+
+
+def test_mean_over_real_rows(rng):
+    """``group_reduction="mean"``: the unit's gradient is the average of its real rows'."""
+    model = BUILDERS["norms"]()
+    x, y = batch_for("norms", UNITS * K, rng)
+    check_units(model, x, y, reduction="mean")
+
+
+def test_einsum_dense_and_materialized_conv(rng):
+    """EinsumDense with and without a position axis, a wide Conv1D on its materialized route."""
+    inputs = keras.Input((5, 9))
+    h = keras.layers.Conv1D(12, 2, activation="tanh")(inputs)  # C_in >= 8: offset route
+    h = keras.layers.EinsumDense("abc,cd->abd", output_shape=(4, 4), bias_axes="d")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.EinsumDense("ab,bc->ac", output_shape=6, bias_axes="c")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    x = rng.normal(size=(UNITS * K, 5, 9)).astype("float32")
+    y = rng.integers(0, 3, UNITS * K)
+    got = check_units(model, x, y, methods=("fast",))
+    assert "fast" in got
+
+
+def test_fallback_layer_and_ungroupable_rule(rng):
+    """A layer without a rule, and a rule that declines units, both take the fallback."""
+    import dataclasses
+
+    from dpcore.rules.dense import DENSE
+
+    inputs = keras.Input((5,))
+    h = Scale(name="wave")(keras.layers.Dense(6, name="first")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="last")(h))
+    x, y = rng.normal(size=(UNITS * K, 5)).astype("float32"), rng.integers(0, 3, UNITS * K)
+    check_units(model, x, y, methods=("fast",))
+    registry = {
+        **default_registry(),
+        keras.layers.Dense: dataclasses.replace(DENSE, groupable=False),
+    }
+    check_units(model, x, y, methods=("fast",), registry=registry)
+    sw, mask = _layout(UNITS * K)
+
+    @tf.function
+    def paths(x, y):
+        for reg in (None, registry):
+            options = ExecutionOptions(method="fast", group_size=K, registry=reg)
+            s = engine.summarize(model, LOSS, x, y, sample_weight=sw, mask=mask, options=options)
+            found.append(dict(s.paths))
+        return 0
+
+    found: list = []
+    paths(x, y)
+    assert found[0]["wave"] == "fallback:vectorized"
+    assert found[0]["first"] in ("ghost", "materialized")  # the Dense rule, units as positions
+    assert found[0]["last"] in ("ghost", "materialized")
+    assert found[1]["first"] == found[1]["last"] == "fallback:vectorized"
+
+
+def test_chunked_vectorized_counts_units(rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", UNITS * K, rng)
+    check_units(model, x, y, methods=("vectorized",), chunk_size=3)
+
+
+def test_one_row_units_are_the_default(rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", 6, rng)
+    a = engine.per_example_norms(model, LOSS, x, y)
+    b = engine.per_example_norms(model, LOSS, x, y, options=ExecutionOptions(group_size=1))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_per_unit_gradients_and_norms_entry_points(rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", UNITS * K, rng)
+    sw, mask = _layout(UNITS * K)
+    options = ExecutionOptions(group_size=K, training=False)
+    ref = reference_unit_gradients(model, LOSS, x, y, group_size=K, sample_weight=sw, mask=mask)
+    grads = engine.per_example_gradients(
+        model, LOSS, x, y, sample_weight=sw, mask=mask, options=options
+    )
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=1e-7)
+    norms = engine.per_example_norms(
+        model, LOSS, x, y, sample_weight=sw, mask=mask, options=options
+    )
+    ref_norms = np.sqrt(sum(np.sum(r.reshape(UNITS, -1).astype(np.float64) ** 2, 1) for r in ref))
+    assert_sq_norm_bound(np.square(np.asarray(norms, np.float64)), ref_norms**2, rtol=1e-5)
+
+
+def test_nonfinite_skip_drops_the_whole_unit(rng):
+    """A unit whose loss overflows is dropped as a whole; other units are untouched."""
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    x, y = rng.normal(size=(UNITS * K, 4)).astype("float32"), rng.integers(0, 3, UNITS * K)
+    x[4] = 3e38  # unit 1: finite input, non-finite logits
+    options = ExecutionOptions(group_size=K, nonfinite="skip", training=False)
+
+    @tf.function
+    def run(x, y):
+        s = engine.summarize(model, LOSS, x, y, options=options)
+        return s.mask, s.row_mask, s.num_skipped, s.weighted_sum(tf.ones_like(s.sq_norms))
+
+    unit_mask, row_mask, skipped, sums = run(x, y)
+    np.testing.assert_array_equal(unit_mask, [1, 0, 1, 1])
+    np.testing.assert_array_equal(row_mask, np.repeat([1, 0, 1, 1], K))
+    assert float(skipped) == 1.0
+    keep = np.repeat([1, 0, 1, 1], K).astype("float32")
+    ref = reference_unit_gradients(model, LOSS, x * keep[:, None], y, group_size=K, mask=keep)
+    for s, r in zip(sums, ref):
+        np.testing.assert_allclose(s, r.sum(0), rtol=RTOL, atol=1e-6)
+
+
+def test_batch_must_hold_whole_units(rng):
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", 7, rng)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        engine.summarize(model, LOSS, x, y, options=ExecutionOptions(group_size=K))
+    with pytest.raises(ValueError, match="group_size"):
+        ExecutionOptions(group_size=0)
+    with pytest.raises(ValueError, match="group_reduction"):
+        ExecutionOptions(group_reduction="max")
