@@ -202,3 +202,113 @@ def test_batch_must_hold_whole_units(rng):
         ExecutionOptions(group_size=0)
     with pytest.raises(ValueError, match="group_reduction"):
         ExecutionOptions(group_reduction="max")
+
+
+# ------------------------------------------------------------------------ through the DP step
+
+C = 0.5
+
+
+def _linear_loss(y, y_pred):
+    """A loss linear in the outputs: gradients as large as the inputs, never an overflowing loss."""
+    return tf.reduce_sum(tf.cast(y, tf.float32) * y_pred, axis=-1)
+
+
+def _deltas(model, before):
+    return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+def test_dp_train_step_clips_units_and_divides_by_expected_units(method, rng):
+    """Noise-free update == sum of per-unit clipped gradients / expected number of units."""
+    from dpcore import DPOptimizer, dp_train_step
+    from dpcore.testing import reference_clipped_mean
+
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", UNITS * K, rng)
+    sw, mask = _layout(UNITS * K)
+    options = ExecutionOptions(method=method, group_size=K)
+    opt = DPOptimizer(
+        keras.optimizers.SGD(1.0),
+        l2_norm_clip=C,
+        noise_multiplier=0.0,
+        expected_batch_size=3.0,
+    )
+    ref = reference_unit_gradients(
+        model, LOSS, x, y, group_size=K, sample_weight=sw, mask=mask, training=True
+    )
+    want = reference_clipped_mean(ref, l2_norm_clip=C, expected_batch_size=3.0)
+    before = [v.numpy() for v in model.trainable_variables]
+
+    @tf.function
+    def step(x, y, sw, mask):
+        return dp_train_step(
+            model, LOSS, x, y, optimizer=opt, sample_weight=sw, mask=mask, options=options
+        )
+
+    loss = step(x, y, sw, mask)
+    for got, w in zip(_deltas(model, before), want):
+        np.testing.assert_allclose(-got, w, rtol=RTOL, atol=1e-7)
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+def test_adversarial_units_contribute_at_most_c(method, rng):
+    """Huge values and rows that cancel inside a unit: each unit's clipped contribution <= C."""
+    from dpcore import aggregation
+
+    inputs = keras.Input((5, 4))  # a sequence: the ghost identity over the unit's K*5 positions
+    h = keras.layers.Dense(6, name="seq")(inputs)
+    h = keras.layers.Flatten()(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
+    rows = UNITS * K
+    x = rng.normal(size=(rows, 5, 4)).astype("float32")
+    y = rng.normal(size=(rows, 3)).astype("float32")
+    x[0:K] *= np.float32(1e17)  # unit 0: huge (squares overflow float32)
+    x[K + 1] = -x[K] * np.float32(1 + 2**-20)  # unit 1: two rows that almost cancel
+    x[2 * K + 1] = -x[2 * K]  # unit 2: rows that cancel exactly (same labels)
+    y[K + 1], y[2 * K + 1] = y[K], y[2 * K]
+    x[3 * K :] *= np.float32(1e-30)  # unit 3: tiny (flushes to zero when squared)
+    options = ExecutionOptions(method=method, group_size=K)
+
+    @tf.function
+    def contribution(x, y, mask):
+        s = engine.summarize(model, _linear_loss, x, y, mask=mask, options=options)
+        clipped = aggregation.clip(s, l2_norm_clip=C)
+        return tf.sqrt(sum(tf.reduce_sum(tf.cast(g, tf.float64) ** 2) for g in clipped.grads))
+
+    ref = reference_unit_gradients(model, _linear_loss, x, y, group_size=K)
+    for u in range(UNITS):
+        mask = np.zeros(rows, "float32")
+        mask[u * K : (u + 1) * K] = 1.0
+        norm = float(contribution(x, y, mask))
+        assert norm <= C * (1 + aggregation.CONTRIBUTION_TOLERANCE), (u, norm)
+        exact = np.sqrt(sum(np.sum(g[u].astype(np.float64) ** 2) for g in ref))
+        if exact > 2 * C:  # a unit far above the bound is clipped to (almost) exactly C
+            assert norm >= C * (1 - 1e-3), (u, norm, exact)
+
+
+def test_make_private_fit_with_units(rng):
+    """``make_private(..., options=ExecutionOptions(group_size=K)).fit`` on unit-aligned batches."""
+    from dpcore import make_private
+    from dpcore.testing import reference_clipped_mean
+
+    model = BUILDERS["mlp"]()
+    x, y = batch_for("mlp", UNITS * K, rng)
+    ref = reference_unit_gradients(model, LOSS, x, y, group_size=K, training=True)
+    want = reference_clipped_mean(ref, l2_norm_clip=C, expected_batch_size=UNITS)
+    before = [v.numpy() for v in model.trainable_variables]
+    dp_model = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=LOSS,
+        metrics=["accuracy"],
+        l2_norm_clip=C,
+        noise_multiplier=0.0,
+        expected_batch_size=UNITS,
+        options=ExecutionOptions(group_size=K),
+    )
+    history = dp_model.fit(x, y, batch_size=UNITS * K, epochs=1, shuffle=False, verbose=0)
+    for got, w in zip(_deltas(model, before), want):
+        np.testing.assert_allclose(-got, w, rtol=RTOL, atol=1e-7)
+    assert np.isfinite(history.history["loss"][0]) and "accuracy" in history.history
