@@ -15,7 +15,7 @@ from typing import Any
 from dpcore.engine import graph
 from dpcore.engine.ghost import fallback_reason
 from dpcore.options import ExecutionOptions, resolve
-from dpcore.rules import Registry, default_registry, lookup
+from dpcore.rules import Registry, lookup
 
 __all__ = ["Explanation", "LayerPath", "explain"]
 
@@ -97,23 +97,26 @@ def explain(
 
     Args:
       model: a built Keras model.
-      options: the :class:`dpcore.ExecutionOptions` the model trains with: its ``registry``
-        (layer rules) and ``method``/``chunk_size`` (which may select the vectorized path for the
-        whole model) are used.
-      registry: layer rules, a shorthand for ``options=ExecutionOptions(registry=...)``; default
-        :func:`dpcore.rules.default_registry`.
+      options: the :class:`dpcore.ExecutionOptions` the model trains with: its layer rules
+        (``rules`` merged over the built-in ones, or a complete ``registry``) and
+        ``method``/``chunk_size`` (which may select the vectorized path for the whole model) are
+        used.
+      registry: the complete rule mapping, a shorthand for
+        ``options=ExecutionOptions(registry=...)``; default :func:`dpcore.rules.default_registry`.
 
     Returns:
       An :class:`Explanation`; ``print(explain(model))`` shows a table.
 
     Raises:
-      ValueError: when both ``registry`` and ``options.registry`` are given.
+      ValueError: when ``registry`` is given together with ``options.rules`` or
+        ``options.registry``.
     """
     options = resolve(options)
-    if registry is not None and options.registry is not None:
-        raise ValueError("pass the layer rules once: registry= or options.registry, not both.")
-    registry = registry if registry is not None else options.registry
-    registry = default_registry() if registry is None else registry
+    if registry is not None and (options.registry is not None or options.rules is not None):
+        raise ValueError(
+            "pass the layer rules once: registry= or options.rules/options.registry, not both."
+        )
+    registry = registry if registry is not None else options.layer_rules()
     name = getattr(model, "name", type(model).__name__)
     whole = _vectorized_by_options(options) or fallback_reason(model)
     if whole is not None:

@@ -44,9 +44,12 @@ class ExecutionOptions:
       nonfinite: ``"raise"`` fails the step on an example with NaN/Inf inputs, labels, sample
         weight, loss or gradient; ``"skip"`` drops such examples (zero contribution, counted).
       wrt_inputs: also compute per-example gradients w.r.t. the floating inputs, in the same step.
-      registry: fast-path layer rules (``{layer class: LayerRule}``); None uses
-        :func:`dpcore.rules.default_registry`. Extend it with ``{**default_registry(), MyLayer:
-        my_rule}``.
+      rules: your own fast-path layer rules, ``{layer class: LayerRule}``, merged over dpcore's
+        built-in rules (an entry for a built-in class replaces its rule). This is how a custom
+        rule reaches ``make_private``, ``DPModel``, ``dp_train_step``/``dp_step``, ``summarize``
+        and ``explain``: they all take ``options`` (see ``dpcore/rules/README.md``).
+      registry: the complete rule mapping, replacing the built-in rules (e.g. to drop one); None
+        uses :func:`dpcore.rules.default_registry`. Give ``rules`` or ``registry``, not both.
       group_size: the batch's layout of privacy units: rows ``[u*K, (u+1)*K)`` form unit ``u``
         (``K = group_size``), whose gradient is clipped once (user-level DP, augmentation
         multiplicity). Per-example quantities (norms, losses, clip factors, the mask) are then per
@@ -62,6 +65,7 @@ class ExecutionOptions:
     chunk_size: int | None = None
     nonfinite: str = "raise"
     wrt_inputs: bool = False
+    rules: Registry | None = dataclasses.field(default=None, compare=False)
     registry: Registry | None = dataclasses.field(default=None, compare=False)
     group_size: int = 1
     group_reduction: str = "sum"
@@ -96,6 +100,22 @@ class ExecutionOptions:
             raise TypeError(
                 f"registry must be a mapping {{layer class: LayerRule}}, got {self.registry!r}."
             )
+        if self.rules is not None:
+            _check_rules(self.rules)
+            if self.registry is not None:
+                raise ValueError(
+                    "pass the layer rules once: rules= (merged over the built-in rules) or "
+                    "registry= (the complete mapping), not both."
+                )
+
+    def layer_rules(self) -> Registry:
+        """The fast-path rules in force: ``registry`` when given, else the built-in rules with
+        ``rules`` merged over them (a fresh mapping)."""
+        if self.registry is not None:
+            return self.registry
+        from dpcore.rules import default_registry  # at call time: importing options loads no rules
+
+        return {**default_registry(), **(self.rules or {})}
 
     def replace(self, **changes: Any) -> ExecutionOptions:
         """A copy with some options changed (validated again)."""
@@ -103,17 +123,30 @@ class ExecutionOptions:
 
     @property
     def cache_key(self) -> tuple:
-        """A hashable identity for compiled-function caches (the registry by identity)."""
+        """A hashable identity for compiled-function caches (rules and registry by identity)."""
         return (
             self.method,
             self.training,
             self.chunk_size,
             self.nonfinite,
             self.wrt_inputs,
+            None if self.rules is None else id(self.rules),
             None if self.registry is None else id(self.registry),
             self.group_size,
             self.group_reduction,
         )
+
+
+def _check_rules(rules: Any) -> None:
+    from dpcore.rules.base import LayerRule  # at call time: importing options loads no rules
+
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"rules must be a mapping {{layer class: LayerRule}}, got {rules!r}.")
+    for cls, rule in rules.items():
+        if not isinstance(cls, type) or not isinstance(rule, LayerRule):
+            raise TypeError(
+                f"rules maps layer classes to dpcore.rules.LayerRule; got {cls!r}: {rule!r}."
+            )
 
 
 def resolve(options: ExecutionOptions | None) -> ExecutionOptions:

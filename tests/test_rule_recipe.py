@@ -1,9 +1,10 @@
 """The recipe in ``dpcore/rules/README.md`` runs as written, and a user rule reaches training.
 
 The README's three Python blocks (the layer and its rule, training with it, its test) are executed
-in order in one namespace; the rule is then spied on to show that ``make_private(...).fit`` and
-``dp_train_step`` compute with it (not the vectorized fallback) and that the update they apply is
-the exact clipped mean. Also: ``dpcore.rules.base`` imports nothing from the engine.
+in order in one namespace; the rule, given as ``ExecutionOptions(rules=...)``, is then spied on to
+show that ``explain`` reports it and that ``make_private(...).fit``, ``DPModel.fit`` and
+``dp_train_step`` compute with it (not the vectorized fallback) and apply the exact clipped mean.
+Also: ``dpcore.rules.base`` imports nothing from the engine.
 """
 
 import ast
@@ -52,12 +53,21 @@ def test_recipe_rule_is_reported_and_trained(recipe):
     assert int(recipe["dp_model"].optimizer.dp_steps.numpy()) == 4  # 64 rows, batches of 16
 
 
-def test_explain_takes_the_registry_once(recipe):
-    registry = recipe["options"].registry
+def test_explain_takes_the_rules_once(recipe):
+    registry = recipe["options"].layer_rules()
+    assert registry[recipe["Scale"]] is recipe["SCALE"]
+    assert registry[keras.layers.Dense] is default_registry()[keras.layers.Dense]  # merged
     same = dpcore.explain(recipe["model"], registry=registry).paths()
     assert same == dpcore.explain(recipe["model"], options=recipe["options"]).paths()
+    full = dpcore.ExecutionOptions(registry=registry)
+    assert dpcore.explain(recipe["model"], options=full).paths() == same
+    for options in (recipe["options"], full):
+        with pytest.raises(ValueError, match="once"):
+            dpcore.explain(recipe["model"], options=options, registry=registry)
     with pytest.raises(ValueError, match="once"):
-        dpcore.explain(recipe["model"], options=recipe["options"], registry=registry)
+        dpcore.ExecutionOptions(rules={recipe["Scale"]: recipe["SCALE"]}, registry=registry)
+    with pytest.raises(TypeError, match="LayerRule"):
+        dpcore.ExecutionOptions(rules={recipe["Scale"]: recipe["scale_grads"]})
     vectorized = dpcore.explain(
         recipe["model"], options=recipe["options"].replace(method="vectorized")
     )
@@ -66,7 +76,8 @@ def test_explain_takes_the_registry_once(recipe):
 
 
 def _spied(recipe):
-    """The recipe's registry with SCALE's ``grads`` counting its (trace-time) calls."""
+    """Options with SCALE's ``grads`` counting its (trace-time) calls and a ``plan`` that names
+    the spy, as ``rules=`` (merged over the built-in rules)."""
     calls = []
     rule = recipe["SCALE"]
 
@@ -74,9 +85,11 @@ def _spied(recipe):
         calls.append(layer.name)
         return rule.grads(layer, uses)
 
-    spy = dataclasses.replace(rule, grads=grads)
-    registry = {**default_registry(), recipe["Scale"]: spy}
-    return dpcore.ExecutionOptions(method="fast", registry=registry), calls
+    def plan(layer, input_shapes):
+        return "materialized", "counting spy rule"
+
+    spy = dataclasses.replace(rule, grads=grads, plan=plan)
+    return dpcore.ExecutionOptions(method="fast", rules={recipe["Scale"]: spy}), calls
 
 
 def _fit(model, x, y, options):
@@ -92,6 +105,20 @@ def _fit(model, x, y, options):
     dp_model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
 
 
+def _dp_model_fit(model, x, y, options):
+    dp_model = dpcore.DPModel(model, options=options)
+    dp_model.compile(
+        optimizer=dpcore.DPOptimizer(
+            keras.optimizers.SGD(1.0),
+            l2_norm_clip=C,
+            noise_multiplier=0.0,
+            expected_batch_size=len(x),
+        ),
+        loss=LOSS,
+    )
+    dp_model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+
+
 def _custom_loop(model, x, y, options):
     opt = dpcore.DPOptimizer(
         keras.optimizers.SGD(1.0), l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=len(x)
@@ -99,7 +126,9 @@ def _custom_loop(model, x, y, options):
     tf.function(lambda: dpcore.dp_train_step(model, LOSS, x, y, optimizer=opt, options=options))()
 
 
-@pytest.mark.parametrize("entry", [_fit, _custom_loop], ids=["make_private", "dp_train_step"])
+@pytest.mark.parametrize(
+    "entry", [_fit, _dp_model_fit, _custom_loop], ids=["make_private", "DPModel", "dp_train_step"]
+)
 def test_user_rule_reaches_training(recipe, rng, entry):
     """One σ = 0 SGD(1.0) step with the user rule applies the exact clipped mean."""
     model = keras.Sequential([keras.Input((3, 4)), recipe["Scale"](), keras.layers.Dense(2)])
@@ -110,6 +139,9 @@ def test_user_rule_reaches_training(recipe, rng, entry):
     expected = reference_clipped_mean(grads, l2_norm_clip=C, expected_batch_size=len(x))
     before = [v.numpy() for v in model.trainable_variables]
     options, calls = _spied(recipe)
+    rows = {r.name: r for r in dpcore.explain(model, options=options).rows}
+    assert rows[model.layers[0].name].why == "counting spy rule"  # explain shows the user rule
+    assert rows[model.layers[1].name].path == "materialized"  # the built-in Dense rule
     entry(model, x, y, options)
     assert calls and set(calls) == {model.layers[0].name}  # the rule ran, not the fallback
     for v, b, e in zip(model.trainable_variables, before, expected):

@@ -40,7 +40,7 @@ from dpcore.engine.summary import (
     weighted_loss,
 )
 from dpcore.options import ExecutionOptions, resolve
-from dpcore.rules import default_registry, lookup
+from dpcore.rules import lookup
 from dpcore.rules.base import (
     LayerRule,
     Registry,
@@ -274,7 +274,7 @@ def fast_summary(
       examples, see :mod:`dpcore.validation`); masked examples get zero norm and weight.
     """
     options = resolve(options)
-    training, wrt_inputs, registry = options.training, options.wrt_inputs, options.registry
+    training, wrt_inputs = options.training, options.wrt_inputs
     group = options.group_size
     variables = check_variables(variables)
 
@@ -294,7 +294,7 @@ def fast_summary(
     reason = fallback_reason(model, variables)
     if reason is not None:
         return whole_model_fallback(reason)
-    registry = default_registry() if registry is None else registry
+    registry = options.layer_rules()
     wanted = {id(v) for v in variables}
     weights = tf.cast(sample_weight, tf.float32) * tf.cast(mask, tf.float32)
     x_leaves = tf.nest.flatten(x)

@@ -8,10 +8,11 @@ Contract:
   rules, never the other way round; the one exception is the attention rule, which reaches Keras
   internals through the accessors of :mod:`dpcore.engine.graph` (a module importing nothing from
   dpcore).
-- Registries are explicit: importing this package registers nothing. :func:`default_registry`
-  returns a fresh ``{layer class: LayerRule}`` mapping, which users extend with
-  ``{**default_registry(), MyLayer: MY_RULE}`` and pass as
-  ``dpcore.ExecutionOptions(registry=...)`` (see ``dpcore/rules/README.md``).
+- Registries are explicit: importing this package registers nothing. Users add rules with
+  ``dpcore.ExecutionOptions(rules={MyLayer: MY_RULE})``, merged over the built-in rules for every
+  entry point (see ``dpcore/rules/README.md``); :func:`default_registry` returns a fresh
+  ``{layer class: LayerRule}`` mapping of the built-in rules, and
+  ``dpcore.ExecutionOptions(registry=...)`` replaces them as a whole.
 - Lookup is by exact class: a subclass of ``Dense`` may override ``call``, so it does not inherit
   ``Dense``'s rule; it falls back to vectorized gradients unless registered itself.
 - A layer used several times in one model is summarized from all its uses at once: its
