@@ -122,6 +122,15 @@ class DPModel(keras.Model):
         layer rules, and non-finite handling (with ``nonfinite="skip"`` the dropped examples are
         counted in the logs as ``skipped``). A custom ``registry`` is not saved with the model.
       name: the wrapper's name (default ``"dp_<model name>"``).
+      augmentations: augmentation multiplicity ``K`` (De et al. 2022): each example of a batch
+        is repeated ``K`` times, ``augment_fn`` makes the views, and the example's gradient is
+        the MEAN of its views' gradients, clipped once (a privacy unit of ``K`` rows, see
+        ``ExecutionOptions.group_size``). The privacy unit stays the example, so sampling and
+        ``expected_batch_size`` are unchanged; memory grows with ``K`` on activations only (the
+        fast path never forms per-view gradients). Metrics and the loss see every view.
+      augment_fn: ``x -> x`` applied to the repeated batch (rows ``i*K .. i*K+K-1`` are the
+        views of example ``i``), inside the compiled step; it must treat rows independently.
+        None keeps the views identical. Not saved with the model.
 
     Compile it with a :class:`DPOptimizer` and a per-example-capable loss (any Keras loss; it is
     rebuilt with ``reduction=None``), or use :func:`make_private`.
@@ -137,6 +146,8 @@ class DPModel(keras.Model):
         *,
         options: ExecutionOptions | None = None,
         name: str | None = None,
+        augmentations: int = 1,
+        augment_fn: Callable[[Any], Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(model, keras.layers.Layer):
@@ -152,6 +163,22 @@ class DPModel(keras.Model):
                 "DPModel trains: ExecutionOptions(training=False) would run its layers in "
                 "inference mode during fit. Use training=True (the default)."
             )
+        k = augmentations
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"augmentations must be a positive integer, got {k!r}.")
+        if k > 1 and self.options.group_size != 1:
+            raise ValueError(
+                f"augmentations={k} makes each example a unit of {k} views; it cannot be combined "
+                f"with ExecutionOptions(group_size={self.options.group_size})."
+            )
+        if augment_fn is not None and not callable(augment_fn):
+            raise TypeError(f"augment_fn must be callable, got {augment_fn!r}.")
+        self.augmentations = k
+        self.augment_fn = augment_fn
+        # The step's options: views of one example form one unit, their gradients averaged.
+        self._step_options = (
+            self.options.replace(group_size=k, group_reduction="mean") if k > 1 else self.options
+        )
         self.loss_tracker = keras.metrics.Mean(name="loss")
         # With nonfinite="skip", how many real examples the steps dropped (in the logs).
         self.skipped_tracker = (
@@ -443,6 +470,7 @@ class DPModel(keras.Model):
         """One DP-SGD micro-step on a batch (see the module contract for batch layouts)."""
         self._check_ready()
         x, y, sample_weight, mask, step_end = _unpack(data)
+        x, y, sample_weight, mask = self._views(x, y, sample_weight, mask)
         result = dp_step(
             self.model,
             self._per_example_loss,
@@ -452,7 +480,7 @@ class DPModel(keras.Model):
             sample_weight=sample_weight,
             mask=mask,
             step_end=step_end,
-            options=self.options,
+            options=self._step_options,
         )
         self.loss_tracker.update_state(result.loss, sample_weight=result.num_examples)
         if self.skipped_tracker is not None:
@@ -460,6 +488,20 @@ class DPModel(keras.Model):
         logs = self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
         # Adaptive clipping: the bound C and the noised unclipped fraction (released values).
         return {**logs, **self.optimizer.adaptive_logs()}
+
+    def _views(self, x: Any, y: Any, sample_weight: Any, mask: Any) -> tuple[Any, Any, Any, Any]:
+        """The batch with each example repeated ``augmentations`` times, then ``augment_fn``."""
+        k = self.augmentations
+        if k > 1:
+
+            def repeat(t: Any) -> Any:
+                return None if t is None else tf.repeat(t, k, axis=0)
+
+            x, y = tf.nest.map_structure(repeat, (x, y))
+            sample_weight, mask = repeat(sample_weight), repeat(mask)
+        if self.augment_fn is not None:
+            x = self.augment_fn(x)
+        return x, y, sample_weight, mask
 
     def test_step(self, data: Any) -> dict[str, Any]:
         """Evaluation on a batch: loss and metrics over the real rows."""
@@ -495,6 +537,7 @@ class DPModel(keras.Model):
                 "chunk_size": self.options.chunk_size,
             },
             "name": self.name,
+            "augmentations": self.augmentations,
         }
 
     @classmethod
@@ -521,6 +564,8 @@ def make_private(
     seed: int | Sequence[int] | None = None,
     config: Any = None,
     options: ExecutionOptions | None = None,
+    augmentations: int = 1,
+    augment_fn: Callable[[Any], Any] | None = None,
     **compile_kwargs: Any,
 ) -> DPModel:
     """Wraps ``model`` for DP-SGD training with ``fit`` and compiles it.
@@ -541,6 +586,9 @@ def make_private(
         optionally ``accumulation_steps`` (e.g. ``dpcore.DPConfig``), instead of the keywords.
       options: how the step computes (:class:`dpcore.ExecutionOptions`: engine path, chunking,
         non-finite handling, layer rules); training mode is always on.
+      augmentations: augmentation multiplicity ``K``: each example's gradient is the mean of
+        its ``K`` views' gradients, clipped once (see :class:`DPModel`).
+      augment_fn: makes the views from the repeated batch (see :class:`DPModel`).
       **compile_kwargs: further ``keras.Model.compile`` arguments.
 
     Returns:
@@ -601,7 +649,7 @@ def make_private(
             accumulation_steps=int(given.get("accumulation_steps", 1)),
             seed=seed,
         )
-    dp_model = DPModel(model, options=options)
+    dp_model = DPModel(model, options=options, augmentations=augmentations, augment_fn=augment_fn)
     dp_model.compile(
         optimizer=dp_optimizer,
         loss=loss,

@@ -288,27 +288,90 @@ def test_adversarial_units_contribute_at_most_c(method, rng):
             assert norm >= C * (1 - 1e-3), (u, norm, exact)
 
 
+def _fit_once(model, x, y, **kw):
+    """One noise-free ``make_private(...).fit`` step on the whole batch: (weight deltas, logs)."""
+    from dpcore import make_private
+
+    before = [v.numpy() for v in model.trainable_variables]
+    dp_model = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=LOSS,
+        l2_norm_clip=C,
+        noise_multiplier=0.0,
+        expected_batch_size=kw.pop("expected_batch_size", len(x)),
+        **kw,
+    )
+    history = dp_model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    return _deltas(model, before), history.history
+
+
 def test_make_private_fit_with_units(rng):
     """``make_private(..., options=ExecutionOptions(group_size=K)).fit`` on unit-aligned batches."""
-    from dpcore import make_private
     from dpcore.testing import reference_clipped_mean
 
     model = BUILDERS["mlp"]()
     x, y = batch_for("mlp", UNITS * K, rng)
     ref = reference_unit_gradients(model, LOSS, x, y, group_size=K, training=True)
     want = reference_clipped_mean(ref, l2_norm_clip=C, expected_batch_size=UNITS)
-    before = [v.numpy() for v in model.trainable_variables]
-    dp_model = make_private(
+    got, logs = _fit_once(
         model,
-        optimizer=keras.optimizers.SGD(1.0),
-        loss=LOSS,
+        x,
+        y,
         metrics=["accuracy"],
-        l2_norm_clip=C,
-        noise_multiplier=0.0,
         expected_batch_size=UNITS,
         options=ExecutionOptions(group_size=K),
     )
-    history = dp_model.fit(x, y, batch_size=UNITS * K, epochs=1, shuffle=False, verbose=0)
-    for got, w in zip(_deltas(model, before), want):
-        np.testing.assert_allclose(-got, w, rtol=RTOL, atol=1e-7)
-    assert np.isfinite(history.history["loss"][0]) and "accuracy" in history.history
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(-g, w, rtol=RTOL, atol=1e-7)
+    assert np.isfinite(logs["loss"][0]) and "accuracy" in logs
+
+
+# ---------------------------------------------------------------- augmentation multiplicity
+
+
+def test_identity_views_give_the_single_view_update(rng):
+    """K identical views averaged: exactly the single-view clipped update."""
+    x, y = batch_for("mlp", 6, rng)
+    model = BUILDERS["mlp"]()
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    single, _ = _fit_once(model, x, y)
+    views, _ = _fit_once(twin, x, y, augmentations=4, augment_fn=lambda t: t)
+    # Float32 round-off is relative to the update's overall scale (entries that nearly cancel).
+    scale = max(np.abs(b).max() for b in single)
+    for a, b in zip(views, single):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6 * scale)
+
+
+def test_views_are_averaged_then_clipped(rng):
+    """With distinct views the example's gradient is the mean over its views, clipped once."""
+    from dpcore.testing import reference_clipped_mean
+
+    k = 3
+    x, y = batch_for("mlp", 5, rng)
+    scales = np.float32(1.0) + np.float32(0.5) * np.arange(k, dtype=np.float32)
+
+    def augment(t):  # view v of every example scaled by 1 + v/2
+        view = tf.range(tf.shape(t)[0]) % k
+        return t * tf.gather(tf.constant(scales), view)[:, None]
+
+    model = BUILDERS["mlp"]()
+    xv = np.repeat(x, k, axis=0) * np.tile(scales, len(x))[:, None]
+    ref = reference_unit_gradients(
+        model, LOSS, xv, np.repeat(y, k), group_size=k, group_reduction="mean", training=True
+    )
+    want = reference_clipped_mean(ref, l2_norm_clip=C, expected_batch_size=len(x))
+    got, _ = _fit_once(model, x, y, augmentations=k, augment_fn=augment)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(-g, w, rtol=RTOL, atol=1e-7)
+
+
+def test_augmentations_are_checked():
+    from dpcore import DPModel
+
+    model = BUILDERS["mlp"]()
+    with pytest.raises(ValueError, match="augmentations"):
+        DPModel(model, augmentations=0)
+    with pytest.raises(ValueError, match="group_size"):
+        DPModel(model, augmentations=2, options=ExecutionOptions(group_size=2))
