@@ -238,6 +238,7 @@ class DPModel(keras.Model):
             callbacks = list(arguments.get("callbacks") or [])
             arguments["callbacks"] = [_EndStepsAtEpochs(self), *callbacks]
         if not isinstance(x, tf.data.Dataset):
+            self._check_unit_layout(arguments)
             self.data_feed = "arrays"
             return super().fit(**arguments)
         self.data_feed = "masked_batches" if masked else "dataset"
@@ -488,6 +489,18 @@ class DPModel(keras.Model):
         logs = self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
         # Adaptive clipping: the bound C and the noised unclipped fraction (released values).
         return {**logs, **self.optimizer.adaptive_logs()}
+
+    def _check_unit_layout(self, arguments: dict[str, Any]) -> None:
+        """Arrays under units of several rows: Keras must neither shuffle rows nor cut a unit."""
+        k = self.options.group_size
+        batch_size = arguments.get("batch_size") or 32
+        if k > 1 and (arguments.get("shuffle", True) or batch_size % k):
+            raise ValueError(
+                f"ExecutionOptions(group_size={k}) on arrays needs fit(shuffle=False) and a "
+                f"batch_size that is a multiple of {k} (got batch_size={batch_size}): Keras "
+                "would otherwise mix the rows of different units. Feed a dataset of whole units "
+                "to sample them."
+            )
 
     def _views(self, x: Any, y: Any, sample_weight: Any, mask: Any) -> tuple[Any, Any, Any, Any]:
         """The batch with each example repeated ``augmentations`` times, then ``augment_fn``."""

@@ -375,3 +375,22 @@ def test_augmentations_are_checked():
         DPModel(model, augmentations=0)
     with pytest.raises(ValueError, match="group_size"):
         DPModel(model, augmentations=2, options=ExecutionOptions(group_size=2))
+
+
+def test_fit_on_arrays_refuses_a_layout_that_mixes_units(rng):
+    from dpcore import make_private
+
+    x, y = batch_for("mlp", UNITS * K, rng)
+    dp_model = make_private(
+        BUILDERS["mlp"](),
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=LOSS,
+        l2_norm_clip=C,
+        noise_multiplier=0.0,
+        expected_batch_size=UNITS,
+        options=ExecutionOptions(group_size=K),
+    )
+    with pytest.raises(ValueError, match="shuffle=False"):
+        dp_model.fit(x, y, batch_size=UNITS * K, verbose=0)  # Keras shuffles rows by default
+    with pytest.raises(ValueError, match="multiple of"):
+        dp_model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
