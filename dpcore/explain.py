@@ -64,7 +64,7 @@ def _row(layer: Any, shapes: list, registry: Registry) -> LayerPath:
     cls = type(layer).__name__
     if not layer.weights:
         return LayerPath(layer.name, cls, "no variables", "nothing to differentiate")
-    if not layer.trainable_variables:
+    if not graph.trainable_weights(layer):
         return LayerPath(layer.name, cls, "frozen", "no trainable variables")
     rule, reason = lookup(registry, layer)
     if rule is None:
@@ -118,14 +118,14 @@ def explain(
         )
     registry = registry if registry is not None else options.layer_rules()
     name = getattr(model, "name", type(model).__name__)
-    whole = _vectorized_by_options(options) or fallback_reason(model)
+    whole = _vectorized_by_options(options) or fallback_reason(model, registry=registry)
     if whole is not None:
         members = list(getattr(model, "layers", []))
         rows = tuple(
             LayerPath(
                 layer.name,
                 type(layer).__name__,
-                "fallback:vectorized" if layer.trainable_variables else "no variables",
+                "fallback:vectorized" if graph.trainable_weights(layer) else "no variables",
                 "whole model: " + whole,
             )
             for layer in members

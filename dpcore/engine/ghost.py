@@ -40,7 +40,7 @@ from dpcore.engine.summary import (
     weighted_loss,
 )
 from dpcore.options import ExecutionOptions, resolve
-from dpcore.rules import lookup
+from dpcore.rules import default_registry, lookup
 from dpcore.rules.base import (
     LayerRule,
     Registry,
@@ -53,30 +53,42 @@ from dpcore.rules.base import (
 __all__ = ["fast_summary", "supports", "fallback_reason"]
 
 
-def fallback_reason(model: Any, variables: Sequence[Any] | None = None) -> str | None:
+def fallback_reason(
+    model: Any, variables: Sequence[Any] | None = None, registry: Registry | None = None
+) -> str | None:
     """Why ``model`` cannot take the fast path as a whole (None when it can).
+
+    A variable read by two layers (tied weights) is fine when both reads reach the engine as uses
+    of one layer, whose rule sums them: e.g. a ``TokenAndPositionEmbedding`` (a composition whose
+    rule routes its ``token_embedding`` through the engine) and a later
+    ``token_embedding(h, reverse=True)`` call are two uses of the ``token_embedding`` layer.
 
     Args:
       model: a Keras model.
       variables: the variables to differentiate (default: ``model.trainable_variables``).
+      registry: the layer rules (default :func:`~dpcore.rules.default_registry`): a layer whose
+        rule composes sub-layers owns no variables itself; its sub-layers do.
     """
     reason = graph.walk_reason(model)
     if reason:
         return reason
     variables = list(model.trainable_variables if variables is None else variables)
-    owner: dict[int, str] = {}
+    registry = default_registry() if registry is None else registry
+    owner: dict[int, Any] = {}
     seen_layers: set[int] = set()
-    for layer, _ in graph.leaf_calls(model):
-        if id(layer) in seen_layers:
+    for leaf, _ in graph.leaf_calls(model):
+        if id(leaf) in seen_layers:
             continue
-        seen_layers.add(id(layer))
-        for v in layer.trainable_variables:
-            if id(v) in owner and owner[id(v)] != layer.name:
-                return (
-                    f"variable {v.path!r} is used by layers {owner[id(v)]!r} and {layer.name!r} "
-                    "(tied weights need cross-layer terms the per-layer rules do not compute)"
-                )
-            owner[id(v)] = layer.name
+        seen_layers.add(id(leaf))
+        for layer, owned in _owners(leaf, registry):
+            for v in owned:
+                if id(v) in owner and owner[id(v)] is not layer:
+                    return (
+                        f"variable {v.path!r} is used by layers {owner[id(v)].name!r} and "
+                        f"{layer.name!r} (tied weights need cross-layer terms the per-layer rules "
+                        "do not compute)"
+                    )
+                owner[id(v)] = layer
     wanted = {id(v) for v in variables}
     for op_name, v in graph.op_variables(model):
         if id(v) in wanted:
@@ -88,6 +100,21 @@ def fallback_reason(model: Any, variables: Sequence[Any] | None = None) -> str |
             "its use cannot be traced layer by layer"
         )
     return None
+
+
+def _owners(layer: Any, registry: Registry) -> list[tuple[Any, list[Any]]]:
+    """``(layer, trainable variables it records)`` for ``layer``: itself, or, when its rule composes
+    sub-layers (each recorded as a layer of its own), its sub-layers, recursively; variables a
+    composition holds outside its sub-layers stay with it."""
+    rule, _ = lookup(registry, layer)
+    if rule is None or rule.compose is None:
+        return [(layer, graph.trainable_weights(layer))]
+    out: list[tuple[Any, list[Any]]] = []
+    for sub in graph.sublayers(layer):
+        out.extend(_owners(sub, registry))
+    inner = {id(v) for _, owned in out for v in owned}
+    own = [v for v in graph.trainable_weights(layer) if id(v) not in inner]
+    return [(layer, own), *out] if own else out
 
 
 def _outside_use_reason(variable: Any, reader: str) -> str:
@@ -141,7 +168,7 @@ class _Recorder:
         # get none of that use's gradient from the per-layer rules.
         with tf.GradientTape(watch_accessed_variables=True) as reads:
             outputs = self._call(layer, args, kwargs)
-        owned = {id(getattr(v, "value", v)) for v in layer.trainable_variables}
+        owned = {id(getattr(v, "value", v)) for v in graph.trainable_weights(layer)}
         for v in reads.watched_variables():
             if id(v) not in owned and id(v) in self.wanted_values:
                 raise _OutsideUse(
@@ -150,7 +177,7 @@ class _Recorder:
         return outputs
 
     def _call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
-        if not any(id(v) in self.wanted for v in layer.trainable_variables):
+        if not any(id(v) in self.wanted for v in graph.trainable_weights(layer)):
             return layer(*args, **kwargs)
         key = id(layer)
         if key not in self.layers:
@@ -183,7 +210,7 @@ class _Recorder:
 
 def _fallback_grads(layer: Any, uses: Sequence[Use], wanted: set[int]) -> list[VariableGrad]:
     """Per-example gradients of one layer's variables by a vectorized per-example VJP."""
-    variables = [v for v in layer.trainable_variables if id(v) in wanted]
+    variables = [v for v in graph.trainable_weights(layer) if id(v) in wanted]
 
     def split(structure: Any) -> tuple[list, list, Any]:
         leaves = tf.nest.flatten(structure)
@@ -291,10 +318,10 @@ def fast_summary(
             model, loss_fn, x, y, sample_weight, mask, variables, options=options
         )
 
-    reason = fallback_reason(model, variables)
+    registry = options.layer_rules()
+    reason = fallback_reason(model, variables, registry)
     if reason is not None:
         return whole_model_fallback(reason)
-    registry = options.layer_rules()
     wanted = {id(v) for v in variables}
     weights = tf.cast(sample_weight, tf.float32) * tf.cast(mask, tf.float32)
     x_leaves = tf.nest.flatten(x)

@@ -10,10 +10,16 @@ Contract:
   the graph are called as they are. ``training`` is injected exactly as Keras does, and Keras masks
   are propagated for outputs that ``layer_fn`` computed without calling the layer.
 - :func:`leaf_calls` lists the same leaf layer calls statically, with their input shapes.
+- :func:`trainable_weights` is what the engine differentiates through a layer: the variables of
+  the layer and its sub-layers whose own flag is set, as ``Model.trainable_weights`` collects them
+  (KerasHub's ``enable_lora`` freezes containers but not their LoRA projections).
 - :func:`attention_projections`, :func:`attention_mask`, :func:`attend`, :func:`keras_mask` and
   :func:`set_mask` name ``MultiHeadAttention``'s private parts and Keras's mask storage for the
   attention rule (:mod:`dpcore.rules.attention`), which replays the layer's call from them, so
-  this module stays the only one touching Keras internals. It imports nothing from dpcore.
+  this module stays the only one touching Keras internals. :func:`transformer_parts`,
+  :func:`padding_attention_mask` and :func:`decoder_self_attention_mask` do the same for KerasHub's
+  ``TransformerEncoder``/``TransformerDecoder`` (:mod:`dpcore.rules.keras_hub`; KerasHub is
+  imported only when one of them is called). It imports nothing from dpcore.
 """
 
 from __future__ import annotations
@@ -104,6 +110,22 @@ def run(model: Any, inputs: Any, *, training: Any, layer_fn: LayerFn) -> Any:
     if isinstance(outputs, list) and len(outputs) == 1:
         return outputs[0]
     return outputs
+
+
+def trainable_weights(layer: Any) -> list[Any]:
+    """The variables of ``layer`` and its sub-layers that training updates (their own flag set).
+
+    ``layer.trainable_variables`` is empty for a layer marked non-trainable even when a sub-layer's
+    variables are trainable, yet ``Model.trainable_weights`` (what optimizers update) filters the
+    model's variables by their own flags: KerasHub's ``Backbone.enable_lora`` freezes every layer
+    and then unfreezes the LoRA projections inside the (still non-trainable) transformer layers.
+    """
+    return [v for v in layer.weights if v.trainable]
+
+
+def sublayers(layer: Any) -> list[Any]:
+    """The direct sub-layers of ``layer`` (tracked attributes), in creation order."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def propagate_mask(layer: Any, args: tuple, outputs: Any) -> None:
@@ -216,3 +238,43 @@ def attend(
     """``MultiHeadAttention._compute_attention`` on projected ``query``/``key``/``value``: the
     softmax attention, its dropout included; returns ``(output, scores)``."""
     return layer._compute_attention(query, key, value, mask, training, return_attention_scores)
+
+
+# KerasHub transformer layers, for dpcore.rules.keras_hub (private attributes named here only).
+
+_TRANSFORMER_PARTS = (
+    "self_attention_layer",
+    "self_attention_layer_norm",
+    "self_attention_dropout",
+    "cross_attention_layer",
+    "cross_attention_layer_norm",
+    "cross_attention_dropout",
+    "feedforward_layer_norm",
+    "feedforward_intermediate_dense",
+    "feedforward_output_dense",
+    "feedforward_dropout",
+)
+
+
+def transformer_parts(layer: Any) -> dict[str, Any]:
+    """The sub-layers of a KerasHub ``TransformerEncoder``/``TransformerDecoder`` by role
+    (``"self_attention_layer"``, ..., ``"feedforward_dropout"``); a role the layer does not have
+    (cross-attention of an encoder, or of a decoder built without an encoder sequence) is None."""
+    return {role: getattr(layer, "_" + role, None) for role in _TRANSFORMER_PARTS}
+
+
+def padding_attention_mask(inputs: Any, padding_mask: Any, attention_mask: Any) -> Any:
+    """KerasHub's merge of a ``[B, T]`` padding mask (or the Keras mask of ``inputs``) with a
+    ``[B, T, S]`` attention mask, as its transformer layers compute it (None when neither)."""
+    from keras_hub.src.layers.modeling.transformer_layer_utils import (
+        merge_padding_and_attention_mask,
+    )
+
+    return merge_padding_and_attention_mask(inputs, padding_mask, attention_mask)
+
+
+def decoder_self_attention_mask(layer: Any, **masks: Any) -> Any:
+    """``TransformerDecoder._compute_self_attention_mask``: padding, custom and causal masks of the
+    self-attention (``decoder_sequence``, ``decoder_padding_mask``, ``decoder_attention_mask``,
+    ``use_causal_mask``, ``self_attention_cache``, ``self_attention_cache_update_index``)."""
+    return layer._compute_self_attention_mask(**masks)

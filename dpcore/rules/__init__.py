@@ -4,10 +4,10 @@ Contract:
 - The rule types and shared helpers live in :mod:`dpcore.rules.base` (re-exported here), which
   imports nothing from :mod:`dpcore.engine`; the built-in rules are one module per layer family
   (:mod:`~dpcore.rules.dense`, :mod:`~dpcore.rules.conv`, :mod:`~dpcore.rules.embedding`,
-  :mod:`~dpcore.rules.normalization`, :mod:`~dpcore.rules.attention`). The engine imports the
-  rules, never the other way round; the one exception is the attention rule, which reaches Keras
-  internals through the accessors of :mod:`dpcore.engine.graph` (a module importing nothing from
-  dpcore).
+  :mod:`~dpcore.rules.normalization`, :mod:`~dpcore.rules.attention`,
+  :mod:`~dpcore.rules.keras_hub`). The engine imports the rules, never the other way round; the
+  one exception is the composed rules (attention, KerasHub), which reach Keras internals through
+  the accessors of :mod:`dpcore.engine.graph` (a module importing nothing from dpcore).
 - Registries are explicit: importing this package registers nothing. Users add rules with
   ``dpcore.ExecutionOptions(rules={MyLayer: MY_RULE})``, merged over the built-in rules for every
   entry point (see ``dpcore/rules/README.md``); :func:`default_registry` returns a fresh
@@ -53,6 +53,7 @@ def builtin_rules() -> dict[type, LayerRule]:
     from dpcore.rules.conv import CONV
     from dpcore.rules.dense import DENSE, EINSUM_DENSE
     from dpcore.rules.embedding import EMBEDDING
+    from dpcore.rules.keras_hub import REVERSIBLE_EMBEDDING, keras_hub_rules
     from dpcore.rules.normalization import (
         GROUP_NORMALIZATION,
         LAYER_NORMALIZATION,
@@ -69,7 +70,14 @@ def builtin_rules() -> dict[type, LayerRule]:
         keras.layers.GroupNormalization: GROUP_NORMALIZATION,
         keras.layers.RMSNormalization: RMS_NORMALIZATION,
         keras.layers.MultiHeadAttention: MULTI_HEAD_ATTENTION,
+        **_reversible(REVERSIBLE_EMBEDDING),
+        **keras_hub_rules(),  # KerasHub's layers, once keras_hub is imported
     }
+
+
+def _reversible(rule: LayerRule) -> dict[type, LayerRule]:
+    cls = getattr(keras.layers, "ReversibleEmbedding", None)  # Keras >= 3.13
+    return {} if cls is None else {cls: rule}
 
 
 def default_registry() -> dict[type, LayerRule]:
@@ -77,7 +85,9 @@ def default_registry() -> dict[type, LayerRule]:
 
     Returns:
       ``{layer class: LayerRule}`` for Dense, EinsumDense, Conv1D, Conv2D, Embedding,
-      LayerNormalization, GroupNormalization, RMSNormalization and MultiHeadAttention.
+      LayerNormalization, GroupNormalization, RMSNormalization, MultiHeadAttention and
+      ReversibleEmbedding, and, once ``keras_hub`` is imported, KerasHub's transformer layers and
+      embeddings (:mod:`dpcore.rules.keras_hub`).
     """
     return builtin_rules()
 

@@ -21,7 +21,8 @@ from dpcore import norms
 from dpcore.rules.base import LayerRule, Use, VariableGrad, unsupported_variant
 
 
-def _forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
+def embedding_forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
+    """``z = layer.embeddings[ids]`` (ids cast to int, negative ids wrapped) and ``{"ids": ids}``."""
     ids = tf.convert_to_tensor(args[0])
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
@@ -57,13 +58,30 @@ def same_id_sq_norm(ids: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
 
 
 def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
+    return [id_rows_grad(layer.embeddings, *id_uses(uses, int(layer.embeddings.shape[-1])))]
+
+
+def id_uses(uses: Sequence[Use], dim: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """The ids ``[B, T]`` (``capture["ids"]``) and output gradients ``[B, T, dim]`` (float32) of
+    several table lookups, their positions concatenated."""
     ids = tf.concat(
         [tf.reshape(u.capture["ids"], [tf.shape(u.capture["ids"])[0], -1]) for u in uses], 1
     )
-    dim = int(layer.embeddings.shape[-1])
     g = tf.concat(
         [tf.reshape(tf.cast(u.grad, tf.float32), [tf.shape(u.grad)[0], -1, dim]) for u in uses], 1
     )
+    return ids, g
+
+
+def id_rows_grad(table: Any, ids: tf.Tensor, g: tf.Tensor) -> VariableGrad:
+    """The gradient info of a ``[vocab, dim]`` table read at rows ``ids [B, T]`` (in range) whose
+    outputs got the gradients ``g [B, T, dim]``: certified same-id norms, the clipped sum as one
+    segment sum. Shared by every layer that gathers rows of a table (embeddings, positions).
+
+    Privacy:
+      Row ``i`` of the norms depends on example ``i`` only.
+    """
+    dim = int(table.shape[-1])
     if ids.shape[1] == 1:
         sq = norms.sq_norm_bound(g[:, 0])
     else:
@@ -71,7 +89,6 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         # each differs from the exact sums by at most gamma_T * sum_t ||g_t|| (dpcore.norms).
         slack = 2.0 * norms.dot_gamma(tf.shape(ids)[1]) * norms.sum_of_norms(g)
         sq = tf.square(tf.sqrt(same_id_sq_norm(ids, g)) + slack)
-    table = layer.embeddings
     vocab = int(table.shape[0])
 
     def weighted_sum(w: tf.Tensor) -> tf.Tensor:
@@ -81,7 +98,7 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         )
         return tf.cast(total, table.dtype)
 
-    return [VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")]
+    return VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")
 
 
 def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
@@ -91,7 +108,7 @@ def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
 EMBEDDING = LayerRule(
     name="embedding",
     check=unsupported_variant,
-    forward=_forward,
+    forward=embedding_forward,
     grads=_grads,
     plan=_plan,
 )

@@ -1,0 +1,319 @@
+"""KerasHub layers and task models on the fast path, against the slow exact reference.
+
+Each case runs eagerly and under ``tf.function`` with sample weights and a padding example: the
+certified norms must bound the reference's per-example squared norms tightly
+(``assert_sq_norm_bound``) and the clipped sums must match, and the engine must take the layers'
+rules (no per-layer or whole-model fallback). Skipped when ``keras_hub`` (the ``test`` extra) is
+not installed.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+keras_hub = pytest.importorskip(
+    "keras_hub", reason="keras-hub is not installed (pip install -e '.[test]' installs it)"
+)
+
+import dpcore  # noqa: E402
+from dpcore.engine import ghost  # noqa: E402
+from dpcore.engine.summary import prepare_batch  # noqa: E402
+from dpcore.explain import explain  # noqa: E402
+from dpcore.losses import per_example_loss_fn  # noqa: E402
+from dpcore.options import ExecutionOptions  # noqa: E402
+from dpcore.rules import default_registry  # noqa: E402
+from dpcore.testing import assert_sq_norm_bound, reference_per_example_gradients  # noqa: E402
+
+RTOL = 1e-5
+SPARSE_CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+MSE = keras.losses.MeanSquaredError(reduction=None)
+H = keras_hub.layers
+
+
+def _summary(model, loss, x, y, sw, mask, weights, mode):
+    loss_fn = per_example_loss_fn(loss)
+    paths: dict = {}
+
+    def step(x, y, sw, mask, weights):
+        xp, yp, swp, mkp = prepare_batch(x, y, sw, mask)
+        s = ghost.fast_summary(
+            model,
+            loss_fn,
+            xp,
+            yp,
+            swp,
+            mkp,
+            model.trainable_variables,
+            options=ExecutionOptions(training=False),
+        )
+        paths.update(s.paths)
+        return s.sq_norms, s.weighted_sum(weights)
+
+    if mode == "function":
+        step = tf.function(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a whole-model fallback fails the test
+        sq, sums = step(x, y, sw, mask, weights)
+    return np.asarray(sq), [np.asarray(t) for t in sums], paths
+
+
+def check(model, x, y, loss=SPARSE_CE, *, modes=("eager", "function"), per_layer_fallback=False):
+    """Fast norms and clipped sums == reference, with sample weights and a padding example."""
+    b = tf.nest.flatten(x)[0].shape[0]
+    sw = np.linspace(0.5, 1.5, b).astype("float32")
+    mask = np.ones(b, "float32")
+    mask[-1] = 0.0
+    ref = reference_per_example_gradients(model, loss, x, y, sample_weight=sw, mask=mask)
+    ref_sq = np.stack([np.sum(g.reshape(b, -1) ** 2, axis=1) for g in ref], axis=1)
+    assert ref_sq[:-1].min(axis=0).max() > 0, "degenerate case: zero gradients"
+    weights = np.random.default_rng(1).uniform(0.1, 1.0, (b, len(ref))).astype("float32")
+    ref_sums = [np.tensordot(weights[:, j], g, axes=1) for j, g in enumerate(ref)]
+    # Round-off is relative to the overall gradient scale (some attention key biases have an
+    # exactly-zero gradient and only round-off noise).
+    scale = max(np.abs(w).max() for w in ref_sums)
+    for mode in modes:
+        sq, sums, paths = _summary(model, loss, x, y, sw, mask, weights, mode)
+        assert_sq_norm_bound(sq, ref_sq, rtol=RTOL, atol=1e-7 * ref_sq.max(), err_msg=mode)
+        for j, (got, want) in enumerate(zip(sums, ref_sums)):
+            np.testing.assert_allclose(
+                got,
+                want,
+                rtol=RTOL,
+                atol=1e-6 * scale,
+                err_msg=f"{mode} {model.trainable_variables[j].path}",
+            )
+        assert np.all(sq[-1] == 0)
+        if not per_layer_fallback:
+            assert "fallback:vectorized" not in paths.values(), paths
+    return paths
+
+
+def _ids(rng, b, t, vocab, *, low=1):
+    return rng.integers(low, vocab, (b, t)).astype("int32")
+
+
+def _padding(b, t, rng):
+    lengths = rng.integers(t // 2, t + 1, b)
+    return (np.arange(t)[None, :] < lengths[:, None]).astype("int32")
+
+
+# ------------------------------------------------------------------------------------ layers
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_transformer_encoder_with_padding_and_attention_masks(normalize_first, rng):
+    b, t, d = 4, 6, 8
+    x_in = keras.Input((t, d))
+    pad_in = keras.Input((t,), dtype="int32")
+    att_in = keras.Input((t, t), dtype="int32")
+    encoder = H.TransformerEncoder(16, 2, normalize_first=normalize_first, name="enc")
+    h = encoder(x_in, padding_mask=pad_in, attention_mask=att_in)
+    out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model([x_in, pad_in, att_in], out)
+    att = (rng.uniform(size=(b, t, t)) < 0.8).astype("int32")
+    att[:, :, 0] = 1  # every query sees at least one key
+    x = [rng.normal(size=(b, t, d)).astype("float32"), _padding(b, t, rng), att]
+    paths = check(model, x, rng.integers(0, 3, b))
+    assert paths["enc/self_attention_layer/query"] in ("ghost", "materialized")
+    assert paths["enc/feedforward_intermediate_dense"] in ("ghost", "materialized")
+
+
+def test_transformer_decoder_causal_and_cross_attention(rng):
+    b, t, s, d = 3, 5, 4, 8
+    dec_in, enc_in = keras.Input((t, d)), keras.Input((s, d))
+    dec_pad, enc_pad = keras.Input((t,), dtype="int32"), keras.Input((s,), dtype="int32")
+    decoder = H.TransformerDecoder(12, 2, name="dec")
+    h = decoder(dec_in, enc_in, decoder_padding_mask=dec_pad, encoder_padding_mask=enc_pad)
+    model = keras.Model([dec_in, enc_in, dec_pad, enc_pad], keras.layers.Dense(4)(h))
+    x = [
+        rng.normal(size=(b, t, d)).astype("float32"),
+        rng.normal(size=(b, s, d)).astype("float32"),
+        _padding(b, t, rng),
+        _padding(b, s, rng),
+    ]
+    y = rng.integers(0, 4, (b, t))
+    paths = check(model, x, y)
+    assert "dec/cross_attention/query" in paths and "dec/self_attention/value" in paths
+
+
+def test_transformer_decoder_without_causal_mask_normalize_first(rng):
+    b, t, d = 3, 6, 8
+    dec_in = keras.Input((t, d))
+    decoder = H.TransformerDecoder(8, 2, normalize_first=True, name="dec")
+    h = decoder(dec_in, use_causal_mask=False)
+    model = keras.Model(dec_in, keras.layers.Dense(2)(h))
+    x = rng.normal(size=(b, t, d)).astype("float32")
+    check(model, x, rng.normal(size=(b, t, 2)).astype("float32"), MSE)
+
+
+def _tied_lm(vocab, dim, t, **embedding_kwargs):
+    ids = keras.Input((t,), dtype="int32")
+    embedding = H.ReversibleEmbedding(vocab, dim, name="tied", **embedding_kwargs)
+    h = keras.layers.Dense(dim, activation="tanh")(embedding(ids))
+    return keras.Model(ids, embedding(h, reverse=True)), embedding
+
+
+@pytest.mark.parametrize(
+    "vocab,dim,t,path",
+    [(40, 8, 6, "materialized"), (200, 32, 3, "ghost")],
+)
+def test_reversible_embedding_tied_sums_both_uses(vocab, dim, t, path, rng):
+    """Lookup and output projection of one table: the norm is that of their sum (cross terms)."""
+    model, _ = _tied_lm(vocab, dim, t)
+    x = _ids(rng, 4, t, vocab)
+    x[0, :2] = 7  # repeated ids: same-row terms of the lookup
+    paths = check(model, x, rng.integers(0, vocab, (4, t)))
+    assert paths["tied"] == path
+
+
+def test_reversible_embedding_soft_cap_and_mask_zero(rng):
+    t, vocab = 5, 30
+    ids = keras.Input((t,), dtype="int32")
+    embedding = H.ReversibleEmbedding(vocab, 6, logit_soft_cap=2.0, mask_zero=True, name="emb")
+    h = embedding(ids)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)  # uses the Keras mask of mask_zero
+    model = keras.Model(ids, embedding(pooled, reverse=True))
+    x = _ids(rng, 4, t, vocab)
+    x[:, 3:] = 0
+    check(model, x, rng.integers(0, vocab, 4))
+
+
+def test_reversible_embedding_untied(rng):
+    model, embedding = _tied_lm(25, 6, 4, tie_weights=False)
+    assert len(embedding.trainable_variables) == 2
+    check(model, _ids(rng, 4, 4, 25), rng.integers(0, 25, (4, 4)))
+
+
+def test_token_and_position_embedding_with_start_index(rng):
+    t, vocab, dim = 5, 20, 6
+    ids = keras.Input((t,), dtype="int32")
+    h = H.TokenAndPositionEmbedding(vocab, 9, dim, name="tpe")(ids)
+    h2 = H.PositionEmbedding(9, name="offset_pos")(h, start_index=2)
+    model = keras.Model(ids, keras.layers.Dense(3)(h + h2))
+    paths = check(model, _ids(rng, 4, t, vocab), rng.integers(0, 3, (4, t)))
+    assert {"tpe/token_embedding", "tpe/position_embedding", "offset_pos"} <= set(paths)
+
+
+def test_token_and_position_embedding_tied_to_output_projection(rng):
+    """The composed embedding's token table and a later reverse call are two uses of one layer."""
+    t, vocab = 5, 20
+    ids = keras.Input((t,), dtype="int32")
+    tpe = H.TokenAndPositionEmbedding(vocab, 9, 6, name="tpe")
+    h = H.TransformerDecoder(8, 2, name="dec")(tpe(ids))
+    model = keras.Model(ids, tpe.token_embedding(h, reverse=True))
+    assert explain(model).whole_model_fallback is None
+    paths = check(model, _ids(rng, 4, t, vocab), rng.integers(0, vocab, (4, t)))
+    assert "tpe/token_embedding" in paths and "token_embedding" not in paths
+    # Without the composition the two layers would each claim the table: whole-model fallback.
+    registry = {k: v for k, v in default_registry().items() if k is not H.TokenAndPositionEmbedding}
+    assert "tied weights" in ghost.fallback_reason(model, registry=registry)
+
+
+# ------------------------------------------------------------------------------- task models
+
+
+def _task(backbone, task, *, vocab=100, layers=2, hidden=16, seq=8, **task_kwargs):
+    backbone = backbone(
+        vocabulary_size=vocab,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+        max_sequence_length=seq,
+    )
+    return task(backbone, preprocessor=None, **task_kwargs)
+
+
+def _bert(**kwargs):
+    models = keras_hub.models
+    return _task(models.BertBackbone, models.BertTextClassifier, num_classes=3, **kwargs)
+
+
+def _gpt2(**kwargs):
+    return _task(keras_hub.models.GPT2Backbone, keras_hub.models.GPT2CausalLM, **kwargs)
+
+
+def _bert_batch(rng, b=4, t=8, vocab=100):
+    pad = _padding(b, t, rng)
+    return {
+        "token_ids": _ids(rng, b, t, vocab) * pad,
+        "segment_ids": (np.arange(t)[None] >= t // 2).astype("int32").repeat(b, 0),
+        "padding_mask": pad,
+    }, rng.integers(0, 3, b)
+
+
+def _gpt2_batch(rng, b=4, t=8, vocab=100):
+    pad = _padding(b, t, rng)
+    return {"token_ids": _ids(rng, b, t, vocab) * pad, "padding_mask": pad}, _ids(rng, b, t, vocab)
+
+
+def test_explain_puts_keras_hub_layers_on_rules():
+    for model in (_bert(layers=1), _gpt2(layers=1)):
+        report = explain(model)
+        assert report.whole_model_fallback is None
+        rows = {r.cls: r.path for r in report.rows}
+        assert "fallback:vectorized" not in rows.values(), str(report)
+        for cls in ("ReversibleEmbedding", "PositionEmbedding"):
+            assert rows[cls] == "ghost", str(report)
+        assert rows.get("TransformerEncoder", rows.get("TransformerDecoder")) in (
+            "ghost",
+            "materialized",
+        )
+
+
+def test_bert_classifier_matches_reference(rng):
+    model = _bert()
+    x, y = _bert_batch(rng)
+    paths = check(model, x, y)
+    assert "transformer_layer_1/self_attention_layer/key" in paths
+
+
+def test_gpt2_causal_lm_matches_reference(rng):
+    model = _gpt2()
+    x, y = _gpt2_batch(rng)
+    paths = check(model, x, y)
+    assert paths["token_embedding"] in ("ghost", "materialized")
+
+
+def test_bert_with_lora_stays_on_the_fast_path(rng):
+    model = _bert(layers=1)
+    model.backbone.enable_lora(2)
+    names = {v.path for v in model.trainable_variables}
+    assert any("lora" in n for n in names)
+    report = explain(model)
+    assert report.whole_model_fallback is None, report.whole_model_fallback
+    x, y = _bert_batch(rng)
+    for v in model.trainable_variables:  # LoRA B starts at zero: give the adapters a gradient
+        if "lora_kernel_b" in v.path:
+            v.assign(rng.normal(size=v.shape).astype("float32") * 0.1)
+    # LoRA projections take the EinsumDense rule where it covers LoRA, else their own fallback.
+    check(model, x, y, modes=("eager",), per_layer_fallback=True)
+
+
+def test_gpt2_trains_with_make_private_fit(rng):
+    model = _gpt2(layers=1)
+    x, y = _gpt2_batch(rng, b=8)
+    dp = dpcore.make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=SPARSE_CE,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+    )
+    before = [np.array(v) for v in model.trainable_variables]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        history = dp.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert any(
+        not np.array_equal(a, np.array(v)) for a, v in zip(before, model.trainable_variables)
+    )
+
+
+def test_registry_without_keras_hub_import_has_no_hub_rules():
+    registry = default_registry()
+    assert H.TransformerEncoder in registry and keras.layers.ReversibleEmbedding in registry
