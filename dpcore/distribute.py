@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -31,6 +32,7 @@ from dpcore import sampling
 
 __all__ = [
     "WorkerInfo",
+    "any_worker",
     "check_sharding",
     "distribute_sampled",
     "for_replicas",
@@ -75,6 +77,29 @@ def worker_info(strategy: Any = None) -> WorkerInfo:
     else:
         raise ValueError(f"a {task_type!r} task does not train; run it on chief/worker tasks.")
     return WorkerInfo(num_workers=chiefs + workers, worker_index=index, is_chief=index == 0)
+
+
+def any_worker(strategy: Any = None) -> Callable[[bool], bool]:
+    """A function ``agree(flag) -> bool``: True when ``flag`` is True on any worker.
+
+    Under a multi-worker strategy each call is a collective operation (every worker calls it
+    at the same point); on one worker it returns ``flag``. Used to stop every worker after the
+    same step when a callback on one of them asks to stop.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    if worker_info(strategy).num_workers == 1:
+        return bool
+
+    @tf.function
+    def reduce(flag: tf.Tensor) -> tf.Tensor:
+        def replica(f: tf.Tensor) -> tf.Tensor:
+            context = tf.distribute.get_replica_context()
+            assert context is not None
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(f))
+
+        return strategy.experimental_local_results(strategy.run(replica, args=(flag,)))[0]
+
+    return lambda flag: bool(reduce(tf.constant(1.0 if flag else 0.0)) > 0)
 
 
 def is_chief(strategy: Any = None) -> bool:

@@ -92,6 +92,13 @@ def _quiet_end_of_data(data: Any, steps_given: bool) -> Iterator[None]:
         yield
 
 
+def _validation_rows(data: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` of ``fit``'s ``validation_data`` (a tuple or a dataset)."""
+    if isinstance(data, (tuple, list)):
+        return (*data, None, None)[:3]
+    return data, None, None
+
+
 def _rows(structure: Any, keep: tf.Tensor) -> Any:
     return tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), structure)
 
@@ -227,6 +234,8 @@ class DPModel(keras.Model):
           never joins a step of the previous one, so each noised update sums one sample.
         """
         arguments = _bind(super().fit, x, y, args, kwargs)
+        if distribute.worker_info(self.distribute_strategy).num_workers > 1:
+            return self._fit_workers(**arguments)
         x = arguments["x"]
         self.sampling_spec = sampling.sampling_spec(x)
         masked = (
@@ -321,13 +330,18 @@ class DPModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         super().make_train_function(force=force)
-        keras_function = self.train_function
+        self.train_function: Callable[[Any], Any] = self._in_whole_steps(self.train_function)
+        return self.train_function
+
+    def _in_whole_steps(self, run_chunk: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``run_chunk(iterator)`` (one batch), called until the logical step has ended while
+        ``fit`` runs on ``(x, y, mask, step_end)`` batches (see :meth:`make_train_function`)."""
 
         def whole_steps(iterator: Any) -> Any:
-            logs = keras_function(iterator)
+            logs = run_chunk(iterator)
             while self._whole_steps and self._step_open():
                 try:
-                    logs = keras_function(iterator)
+                    logs = run_chunk(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError) as end:
                     dropped = self.optimizer.discard_open_step()
                     raise ValueError(
@@ -338,8 +352,33 @@ class DPModel(keras.Model):
                     ) from end
             return logs
 
-        self.train_function: Callable[[Any], Any] = whole_steps
         return whole_steps
+
+    def _worker_function(self, name: str) -> Callable[..., Any]:
+        """The compiled multi-worker ``"train"``, ``"test"`` or ``"metrics"`` function.
+
+        ``train``/``test``: ``strategy.run(step, next batch)``, returning this worker's logs, in
+        place of Keras's train and test functions, whose reduction of the logs fails under a
+        multi-worker strategy (nothing in them communicates except what the step does).
+        ``metrics``: the metrics summed over every worker (a collective). Each is traced once
+        per compile (kept outside Keras's attribute tracking).
+        """
+        cache = self.__dict__.setdefault("_dpcore_worker_functions", {})
+        if name in cache:
+            return cache[name]
+        strategy = self.distribute_strategy
+        if name == "metrics":
+            cache[name] = tf.function(self.get_metrics_result)
+            return cache[name]
+        step = self.train_step if name == "train" else self.test_step
+
+        @tf.function(reduce_retracing=True)
+        def run(iterator: Any) -> Any:
+            logs = strategy.run(step, args=(iterator.get_next(),))
+            return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], logs)
+
+        cache[name] = self._in_whole_steps(run) if name == "train" else run
+        return cache[name]
 
     def _step_open(self) -> bool:
         """Whether the optimizer holds micro-batches of a logical step that has not ended."""
@@ -349,12 +388,177 @@ class DPModel(keras.Model):
         """Keras ``evaluate``; also takes the sampler's datasets (padding rows are ignored),
         under a multi-replica strategy too (see :meth:`fit`)."""
         arguments = _bind(super().evaluate, x, y, args, kwargs)
+        if distribute.worker_info(self.distribute_strategy).num_workers > 1:
+            return self._evaluate_workers(**arguments)
         x = arguments["x"]
         steps_given = arguments.get("steps") is not None
         self._build_compiled_state(x)
         arguments["x"] = distribute.for_replicas(x, self.distribute_strategy.num_replicas_in_sync)
         with _quiet_end_of_data(x, steps_given):
             return super().evaluate(**arguments)
+
+    def _fit_workers(
+        self,
+        x: Any,
+        *,
+        epochs: int = 1,
+        verbose: Any = "auto",
+        callbacks: Any = None,
+        validation_data: Any = None,
+        validation_freq: int = 1,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        shuffle: Any = None,
+        **unsupported: Any,
+    ) -> Any:
+        """``fit`` under a multi-worker strategy (Keras's own ``fit`` fails there).
+
+        dpcore runs the epochs: each worker iterates its shard of the sampler
+        (``strategy.distribute_datasets_from_function``, no re-sharding or re-batching) and
+        calls the train function (``strategy.run`` of :meth:`train_step`, whole logical steps
+        per call), with Keras's callbacks, ``History`` and progress bar (on the chief only).
+        Epoch logs and validation are the metrics summed over every worker's real rows. A stop
+        asked by a callback on any worker stops every worker after the same step.
+        """
+        given = {k: v for k, v in unsupported.items() if v not in (None, 0.0)}
+        if given:
+            raise ValueError(
+                f"DPModel.fit under a multi-worker strategy does not take {sorted(given)}: feed "
+                "each worker its shard of dpcore.sampling.sharded_poisson_batches."
+            )
+        strategy = self.distribute_strategy
+        info = distribute.worker_info(strategy)
+        distribute.check_sharding(x, strategy)
+        if sampling.as_sampled_batch(x.element_spec) is None:
+            raise ValueError("a multi-worker fit needs the sampler's (x, y, mask, step_end).")
+        self.sampling_spec = sampling.sampling_spec(x)
+        self.data_feed = "masked_batches"
+        self._start_pass_at_step_boundary()
+        self._build_compiled_state(x)
+        data = strategy.distribute_datasets_from_function(lambda _: x)
+        verbose = 1 if verbose == "auto" else verbose
+        assert self.sampling_spec is not None
+        callback_list = keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=bool(verbose) and info.is_chief,
+            verbose=verbose,
+            epochs=epochs,
+            steps=steps_per_epoch or self.sampling_spec.steps,
+            model=self,
+        )
+        any_stop = distribute.any_worker(strategy)
+        self.stop_training = False
+        epoch_logs: dict[str, Any] = {}
+        self._whole_steps = True
+        try:
+            with strategy.scope():
+                train = self._worker_function("train")
+                callback_list.on_train_begin()
+                for epoch in range(int(initial_epoch), int(epochs)):
+                    self.reset_metrics()
+                    callback_list.on_epoch_begin(epoch)
+                    iterator, step = iter(data), 0
+                    while steps_per_epoch is None or step < steps_per_epoch:
+                        callback_list.on_train_batch_begin(step)
+                        try:
+                            logs = train(iterator)
+                        except (StopIteration, tf.errors.OutOfRangeError):
+                            break
+                        callback_list.on_train_batch_end(step, logs)
+                        step += 1
+                        if any_stop(self.stop_training):
+                            self.stop_training = True
+                            break
+                    epoch_logs = self._worker_metrics()
+                    if validation_data is not None and (epoch + 1) % validation_freq == 0:
+                        val = self._evaluate_workers(
+                            *_validation_rows(validation_data), verbose=0, return_dict=True
+                        )
+                        epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+                    callback_list.on_epoch_end(epoch, epoch_logs)
+                    if self.stop_training:
+                        break
+                callback_list.on_train_end(epoch_logs)
+        finally:
+            self._whole_steps = False
+        return self.history
+
+    def _evaluate_workers(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        steps: int | None = None,
+        callbacks: Any = None,
+        return_dict: bool = False,
+        **unsupported: Any,
+    ) -> Any:
+        """``evaluate`` under a multi-worker strategy: each worker evaluates its shard.
+
+        A worker's own sampler shard is used as it is; other data is split between the workers
+        (rows of arrays, elements of a dataset). Evaluation has no collective operation until
+        the metrics, summed over every worker, are read at the end, so the shards may differ
+        in length.
+        """
+        if unsupported:
+            raise ValueError(
+                f"DPModel.evaluate under a multi-worker strategy does not take {sorted(unsupported)}."
+            )
+        strategy = self.distribute_strategy
+        info = distribute.worker_info(strategy)
+        spec = sampling.sampling_spec(x)
+        if spec is not None and spec.num_workers == info.num_workers > 1:
+            spec.check_workers(info.num_workers, info.worker_index)
+            data = x
+        elif isinstance(x, tf.data.Dataset):
+            data = x.shard(info.num_workers, info.worker_index)
+        else:
+            rows = (x, y) if sample_weight is None else (x, y, sample_weight)
+            data = (
+                tf.data.Dataset.from_tensor_slices(rows)
+                .shard(info.num_workers, info.worker_index)
+                .batch(batch_size or 32)
+            )
+        if steps is not None:
+            data = data.take(int(steps))
+        self._build_compiled_state(data)
+        verbose = 1 if verbose == "auto" else verbose
+        callback_list = keras.callbacks.CallbackList(
+            callbacks,
+            add_progbar=bool(verbose) and info.is_chief,
+            verbose=verbose,
+            epochs=1,
+            steps=steps,
+            model=self,
+        )
+        with strategy.scope():
+            test = self._worker_function("test")
+            self.reset_metrics()
+            callback_list.on_test_begin()
+            iterator, step = iter(data), 0
+            while True:
+                callback_list.on_test_batch_begin(step)
+                try:
+                    logs = test(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    break
+                callback_list.on_test_batch_end(step, logs)
+                step += 1
+            results = self._worker_metrics()
+            callback_list.on_test_end(results)
+        if return_dict:
+            return results
+        values = list(results.values())
+        return values[0] if len(values) == 1 else values
+
+    def _worker_metrics(self) -> dict[str, float]:
+        """The metrics summed over every worker's rows (a collective: all workers call it)."""
+        results = self._worker_function("metrics")()
+        return {k: float(keras.ops.convert_to_numpy(v)) for k, v in results.items()}
 
     def compile(
         self,
@@ -397,6 +601,7 @@ class DPModel(keras.Model):
         if loss_weights is not None:
             raise ValueError(f"loss_weights={loss_weights!r} is not supported by DPModel.")
         self._per_example_loss = per_example_loss_fn(loss)
+        self.__dict__.pop("_dpcore_worker_functions", None)  # traced for the previous compile
         kwargs["auto_scale_loss"] = False
         kwargs.setdefault("jit_compile", False)
         super().compile(

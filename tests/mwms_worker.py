@@ -140,6 +140,88 @@ def dp_step(out):
         json.dump(result, f)
 
 
+class _Record(keras.callbacks.Callback):
+    """Counts the batch-level calls and stops after `stop_after` steps (None: never)."""
+
+    def __init__(self, stop_after=None):
+        super().__init__()
+        self.batches, self.epochs, self.stop_after = 0, 0, stop_after
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        if self.stop_after is not None and self.batches >= self.stop_after:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs += 1
+
+
+def _dp_model(strategy, noise_seed=None):
+    with strategy.scope():
+        return dpcore.make_private(
+            _model(),
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=LOSS,
+            metrics=["accuracy"],
+            l2_norm_clip=0.5,
+            noise_multiplier=0.5,
+            expected_batch_size=Q * N,
+            seed=noise_seed,
+        )
+
+
+def fit(out):
+    info = distribute.worker_info(STRATEGY)
+    x, y = _data()
+    xv, yv = x[:20] + 0.5, y[:20]
+    shard = sampling.sharded_poisson_batches(
+        x,
+        y,
+        sampling_prob=Q,
+        steps=STEPS,
+        seed=SEED,
+        num_workers=info.num_workers,
+        worker_index=info.worker_index,
+    )
+    dp = _dp_model(STRATEGY)
+    record = _Record()
+    history = dp.fit(shard, epochs=2, validation_data=(xv, yv), callbacks=[record], verbose=0)
+    ev = dp.evaluate(xv, yv, return_dict=True, verbose=0)
+    noise_seed = [int(s) for s in dp.optimizer.noise_seed.numpy()]
+    result = {
+        "history": history.history,
+        "evaluate": ev,
+        "weights": _flat([v.numpy() for v in dp.model.trainable_variables]).tolist(),
+        "dp_steps": int(dp.optimizer.dp_steps.numpy()),
+        "batches": record.batches,
+        "epochs": record.epochs,
+        "noise_seed": noise_seed,
+        "data_feed": dp.data_feed,
+    }
+    # The same two passes of the global sample, one process, the same noise seed.
+    single = _dp_model(tf.distribute.get_strategy(), noise_seed)
+    one = single.fit(
+        sampling.poisson_batches(x, y, sampling_prob=Q, steps=STEPS, seed=SEED),
+        epochs=2,
+        validation_data=(xv, yv),
+        verbose=0,
+    )
+    result["single_history"] = one.history
+    result["single_weights"] = _flat([v.numpy() for v in single.model.trainable_variables]).tolist()
+    # A callback on worker 1 only asks to stop after 2 steps: every worker stops there.
+    stopped = _dp_model(STRATEGY)
+    stopper = _Record(stop_after=2 if info.worker_index == 1 else None)
+    stopped.fit(shard, epochs=2, callbacks=[stopper], verbose=0)
+    result["stopped_steps"] = int(stopped.optimizer.dp_steps.numpy())
+    try:  # an unsharded sampler is refused before any step
+        dp.fit(sampling.poisson_batches(x, y, sampling_prob=Q, steps=1, seed=SEED), verbose=0)
+        result["full_refused"] = False
+    except ValueError as e:
+        result["full_refused"] = "whole dataset" in str(e)
+    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]
-    {"dp_step": dp_step}[scenario](out)
+    {"dp_step": dp_step, "fit": fit}[scenario](out)

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from dpcore_experiments.launch_local import launch
 
 from dpcore import distribute, sampling
-from dpcore_experiments.launch_local import launch
 
 WORKER = str(Path(__file__).with_name("mwms_worker.py"))
 
@@ -74,3 +74,23 @@ def test_dp_step_on_two_workers_matches_one_process(tmp_path):
         # The sample std of n standard normals is within 5/sqrt(2n) of 1 but for ~3e-7.
         assert abs(std - target) < 5 * target / math.sqrt(2 * n)
     assert w0["full_refused"] and w1["full_refused"]
+
+
+@pytest.mark.slow
+def test_fit_and_evaluate_on_two_workers_match_one_process(tmp_path):
+    """DPModel.fit/evaluate under MultiWorkerMirroredStrategy (dpcore's own epoch loop): the
+    Keras surface (callbacks, History, validation, metrics over real rows of every worker)
+    and the same weights and logs as one process fitting the same global sample."""
+    w0, w1 = _run_workers("fit", tmp_path)
+    for w in (w0, w1):
+        assert w["dp_steps"] == 10 and w["batches"] == 10 and w["epochs"] == 2
+        assert w["data_feed"] == "masked_batches"
+        assert set(w["history"]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+        for key, values in w["history"].items():
+            np.testing.assert_allclose(values, w["single_history"][key], rtol=1e-5)
+        assert w["evaluate"]["loss"] == pytest.approx(w["history"]["val_loss"][-1], rel=1e-6)
+        np.testing.assert_allclose(w["weights"], w["single_weights"], rtol=0, atol=1e-5)
+        assert w["stopped_steps"] == 2  # worker 1's callback stopped both workers
+        assert w["full_refused"]
+    assert w0["weights"] == w1["weights"] and w0["noise_seed"] == w1["noise_seed"]
+    assert w0["history"] == w1["history"]
