@@ -85,23 +85,36 @@ class ClippedSum:
       per_example_norms: ``[B]`` unclipped per-example gradient norms (zero where masked).
       clip_weights: ``[B, V]`` the factors applied to each example's gradient for each variable.
       per_example_loss: ``[B]`` the examples' losses (zero where masked).
+      unclipped_count: with ``count_unclipped=True``, the float64 scalar
+        ``sum_i mask_i (1[example i was not clipped] - 1/2)`` (sensitivity 1/2, for adaptive
+        clipping, :mod:`dpcore.adaptive`); None otherwise. It must be noised before release too.
+
+    ``l2_sensitivity`` is a scalar float64 tensor when the bound is (adaptive clipping reads it from
+    the optimizer's ``l2_norm_clip`` variable).
     """
 
     grads: tuple[tf.Tensor, ...]
-    l2_sensitivity: float
+    l2_sensitivity: float | tf.Tensor
     num_examples: tf.Tensor
     per_example_norms: tf.Tensor
     clip_weights: tf.Tensor
     per_example_loss: tf.Tensor
+    unclipped_count: tf.Tensor | None = None
 
 
-def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float) -> tf.Tensor:
+def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float | tf.Tensor) -> tf.Tensor:
     """``min(1, l2_norm_clip / norm)`` elementwise (1 for a zero norm), in float64.
+
+    ``l2_norm_clip`` is a Python number (checked here) or a scalar tensor holding a bound checked
+    where it was set (the adaptive bound variable).
 
     Privacy:
       A gradient of norm at most ``norm`` scaled by the factor has norm at most ``l2_norm_clip``.
     """
-    l2_norm_clip = _check_clip("l2_norm_clip", l2_norm_clip)
+    if isinstance(l2_norm_clip, numbers.Real):
+        l2_norm_clip = _check_clip("l2_norm_clip", float(l2_norm_clip))
+    else:
+        l2_norm_clip = tf.cast(l2_norm_clip, tf.float64)
     norms = tf.cast(norms, tf.float64)
     return tf.minimum(tf.constant(1.0, tf.float64), l2_norm_clip / tf.maximum(norms, _TINY))
 
@@ -130,8 +143,9 @@ def total_norm_bound(sq_norms: tf.Tensor) -> tf.Tensor:
 def clip(
     summary: GradientSummary,
     *,
-    l2_norm_clip: float | list[float] | tuple[float, ...],
+    l2_norm_clip: float | list[float] | tuple[float, ...] | tf.Tensor,
     variable_groups: Sequence[int] | None = None,
+    count_unclipped: bool = False,
 ) -> ClippedSum:
     """Clips every example's gradient and sums them.
 
@@ -146,6 +160,8 @@ def clip(
         variable group.
       variable_groups: with a list of bounds, the group index of each variable in
         ``summary.variables`` (default: one group per variable, in order).
+      count_unclipped: flat clipping only: also count the examples left unclipped (certified
+        norm bound <= C, the same bound that decides the factor) into ``unclipped_count``.
 
     Returns:
       A :class:`ClippedSum` with ``l2_sensitivity`` C, or ``sqrt(sum C_g^2)`` per group.
@@ -157,7 +173,10 @@ def clip(
     sq = tf.cast(summary.sq_norms, tf.float64)
     num_vars = len(summary.variables)
     mask = tf.cast(summary.mask, tf.float64)
+    unclipped_count = None
     if isinstance(l2_norm_clip, (list, tuple)):
+        if count_unclipped:
+            raise ValueError("count_unclipped needs one flat l2_norm_clip, not per-group bounds.")
         bounds = [_check_clip("l2_norm_clip", c) for c in l2_norm_clip]
         groups = list(range(num_vars)) if variable_groups is None else list(variable_groups)
         if len(groups) != num_vars:
@@ -179,10 +198,17 @@ def clip(
         weights = tf.matmul(factors, one_hot, transpose_b=True)  # [B, V]
         sensitivity = math.sqrt(sum(c * c for c in bounds))
     else:
-        c = _check_clip("l2_norm_clip", l2_norm_clip)
+        c = (
+            _check_clip("l2_norm_clip", float(l2_norm_clip))
+            if isinstance(l2_norm_clip, numbers.Real)
+            else tf.cast(l2_norm_clip, tf.float64)
+        )
         factors = clip_factors(total_norm_bound(sq), l2_norm_clip=c)
         weights = tf.tile(factors[:, None], [1, num_vars])
         sensitivity = c
+        if count_unclipped:
+            unclipped = tf.cast(tf.equal(factors, 1.0), tf.float64)
+            unclipped_count = tf.reduce_sum((unclipped - 0.5) * mask)
     weights = round_down_f32(weights * mask[:, None])
     grads = tuple(summary.weighted_sum(weights))
     return ClippedSum(
@@ -192,6 +218,7 @@ def clip(
         per_example_norms=tf.cast(tf.sqrt(tf.reduce_sum(sq, axis=1)) * mask, tf.float32),
         clip_weights=weights,
         per_example_loss=summary.per_example_loss,
+        unclipped_count=unclipped_count,
     )
 
 
@@ -267,7 +294,7 @@ def privatize(
     scale = 1.0 / float(expected_batch_size)
     if not isinstance(noise_multiplier, numbers.Real):  # a tensor or variable
         sigma = tf.cast(tf.convert_to_tensor(noise_multiplier), tf.float64)
-        sensitivity = tf.constant(clipped.l2_sensitivity, tf.float64)
+        sensitivity = tf.cast(clipped.l2_sensitivity, tf.float64)
         # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN.
         stddev = tf.where(sigma > 0, sigma * sensitivity, tf.zeros_like(sigma))
         noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)

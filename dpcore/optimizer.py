@@ -24,11 +24,17 @@ Contract:
   exactly once per global step and normalized by the global ``expected_batch_size``.
 - The optimizer owns the clip parameters and clips through :meth:`DPOptimizer.clip`; the DP step
   that composes engine, clipping and this optimizer is written once, in :mod:`dpcore.step`.
+- With ``adaptive_clip`` (:mod:`dpcore.adaptive`) C is state too (a float64 variable
+  ``l2_norm_clip``, checkpointed): each logical step also noises the count of unclipped examples
+  once (accumulated over micro-steps and replicas like the gradients), then updates C from that
+  noised count only. ``noise_multiplier`` stays the σ the run is accounted with; the gradient
+  noise uses σ_Δ > σ so that gradient and count together are one Gaussian mechanism of σ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -37,7 +43,8 @@ from typing import Any, Protocol, runtime_checkable
 import keras
 import tensorflow as tf
 
-from dpcore import aggregation
+from dpcore import adaptive, aggregation
+from dpcore.adaptive import AdaptiveClip
 from dpcore.aggregation import ClippedSum
 from dpcore.engine.summary import GradientSummary
 
@@ -125,6 +132,17 @@ def _check_inner(inner: Any) -> keras.optimizers.Optimizer:
     return inner
 
 
+def _check_adaptive(config: Any, l2_norm_clip: Any, noise_multiplier: float) -> None:
+    if not isinstance(config, AdaptiveClip):
+        raise TypeError(f"adaptive_clip must be a dpcore.adaptive.AdaptiveClip, got {config!r}.")
+    if isinstance(l2_norm_clip, (list, tuple)) or not math.isfinite(float(l2_norm_clip)):
+        raise ValueError(
+            f"adaptive_clip needs one finite initial l2_norm_clip, got {l2_norm_clip!r} "
+            "(per-group bounds are not adapted)."
+        )
+    config.gradient_noise_multiplier(float(noise_multiplier))
+
+
 @dataclasses.dataclass(frozen=True)
 class DPState:
     """The DP state of a :class:`DPOptimizer` at one moment (a read-only snapshot).
@@ -133,12 +151,15 @@ class DPState:
       dp_steps: logical steps applied so far (each noised once).
       pending_micro_steps: micro-batches accumulated towards the next logical step, not yet
         noised or applied.
-      noise_multiplier: σ the next logical step will use.
+      noise_multiplier: σ the next logical step will use (with adaptive clipping: the effective
+        σ of gradient and count together, what the run is accounted with).
+      l2_norm_clip: the bound(s) the next logical step clips to (adaptive clipping: current C).
     """
 
     dp_steps: int
     pending_micro_steps: int
     noise_multiplier: float
+    l2_norm_clip: float | tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,14 +205,28 @@ class DPOptimizer(keras.optimizers.Optimizer):
       seed: None (default) seeds the noise from OS entropy. An int or a pair of ints fixes it:
         for tests and reproducibility only.
       variable_groups: with a list of bounds, the group index of each trainable variable.
+      adaptive_clip: None (fixed C) or an :class:`~dpcore.adaptive.AdaptiveClip`: C starts at
+        ``l2_norm_clip`` (one flat bound) and follows a target quantile of the per-example norms.
+        ``noise_multiplier`` is then the effective σ of each step (what ``DPConfig`` and the
+        ledger account); the gradient sum gets noise std ``σ_Δ C_t``, see
+        :func:`dpcore.adaptive.gradient_noise_multiplier`.
       name: optimizer name.
+
+    Parameter averaging: give the inner optimizer ``use_ema=True`` (and ``ema_momentum``): it
+    keeps an exponential moving average of the weights after each applied logical step, saved
+    with the optimizer's variables; ``fit`` (and :meth:`finalize_variable_values` in a custom loop)
+    writes it into the model at the end of training, and ``keras.callbacks.SwapEMAWeights``
+    evaluates with it during ``fit``.
 
     Privacy:
       Each logical step releases ``sum_i clip(g_i) + N(0, (σ C)^2 I)`` divided by a constant: the
       Gaussian mechanism with sensitivity C under add/remove-one adjacency, provided the
       micro-batches of one logical step are disjoint (each example in at most one of them).
-      Everything the inner optimizer does afterwards (momentum, weight decay, clipnorm, EMA) is
-      post-processing.
+      Everything the inner optimizer does afterwards (momentum, weight decay, clipnorm, EMA or
+      other weight averaging) is post-processing: no privacy cost. With ``adaptive_clip`` a step
+      also releases ``sum_i (1[unclipped_i] - 1/2) + N(0, σ_b^2)`` (sensitivity 1/2); the pair is
+      one Gaussian mechanism of noise multiplier ``noise_multiplier``, and C_t depends only on
+      earlier releases.
     """
 
     def __init__(
@@ -204,6 +239,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         accumulation_steps: int = 1,
         seed: int | Sequence[int] | None = None,
         variable_groups: Sequence[int] | None = None,
+        adaptive_clip: AdaptiveClip | None = None,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -229,6 +265,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
+        if adaptive_clip is not None:
+            _check_adaptive(adaptive_clip, l2_norm_clip, noise_multiplier)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         if isinstance(l2_norm_clip, (list, tuple)):
@@ -256,14 +294,24 @@ class DPOptimizer(keras.optimizers.Optimizer):
         sigma = float(noise_multiplier)
         # σ is state, read when the step runs: a schedule (set `noise_multiplier` between steps)
         # takes effect without retracing, and what the callbacks read is what ran.
-        self._noise_multiplier = self.add_variable(
+        self._noise_multiplier = self._scalar_state("noise_multiplier", sigma)
+        self._accumulators: list[Any] = []
+        self.adaptive_clip = adaptive_clip
+        if adaptive_clip is not None:
+            clip0 = float(l2_norm_clip)  # type: ignore[arg-type]  # one flat bound, checked
+            self._adaptive_clip_var = self._scalar_state("l2_norm_clip", clip0)
+            # The last released (noised) unclipped fraction, for logs.
+            self._unclipped_fraction = self._scalar_state("unclipped_fraction", 0.0)
+
+    def _scalar_state(self, name: str, value: float) -> Any:
+        """A float64 scalar of DP state (checkpointed; every replica holds the first's value)."""
+        return self.add_variable(
             shape=(),
             dtype="float64",
-            initializer=lambda shape, dtype=None: tf.constant(sigma, tf.float64),
+            initializer=lambda shape, dtype=None: tf.constant(value, tf.float64),
             aggregation="only_first_replica",
-            name="noise_multiplier",
+            name=name,
         )
-        self._accumulators: list[Any] = []
 
     @property
     def dp_state(self) -> DPState:
@@ -276,7 +324,26 @@ class DPOptimizer(keras.optimizers.Optimizer):
             dp_steps=int(read(self.dp_steps)),
             pending_micro_steps=int(read(self.micro_steps)),
             noise_multiplier=float(read(self._noise_multiplier)),
+            l2_norm_clip=self.l2_norm_clip
+            if self.adaptive_clip is None
+            else float(read(self._adaptive_clip_var)),
         )
+
+    def adaptive_logs(self) -> dict[str, tf.Tensor]:
+        """With adaptive clipping, ``l2_norm_clip`` (C for the next step) and the last noised
+        ``unclipped_fraction`` as float32 tensors for Keras logs; else an empty dict.
+
+        Privacy:
+          Both are functions of noised releases only.
+        """
+        if self.adaptive_clip is None:
+            return {}
+        return {
+            "l2_norm_clip": tf.cast(tf.convert_to_tensor(self._adaptive_clip_var), tf.float32),
+            "unclipped_fraction": tf.cast(
+                tf.convert_to_tensor(self._unclipped_fraction), tf.float32
+            ),
+        }
 
     @property
     def noise_multiplier(self) -> float:
@@ -296,6 +363,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             noise_multiplier=value,
             expected_batch_size=self.expected_batch_size,
         )
+        if self.adaptive_clip is not None:
+            self.adaptive_clip.gradient_noise_multiplier(float(value))
         self._noise_multiplier.assign(float(value))
 
     # ----------------------------------------------------------------------------- state
@@ -318,6 +387,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
             for v in var_list
         ]
+        if self.adaptive_clip is not None:  # the centred count, accumulated like the gradients
+            accumulators.append(
+                self.add_variable(
+                    shape=(), dtype="float64", aggregation="only_first_replica", name="dp_count"
+                )
+            )
         self._accumulators = accumulators
         self.inner_optimizer.build(var_list)
         super().build(var_list)
@@ -369,6 +444,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
           Each example's contribution has norm at most ``l2_norm_clip`` (per group with groups),
           computed from certified norm bounds (:func:`dpcore.aggregation.clip`).
         """
+        if self.adaptive_clip is not None:
+            return aggregation.clip(
+                summary, l2_norm_clip=self._adaptive_clip_var.value, count_unclipped=True
+            )
         return aggregation.clip(
             summary, l2_norm_clip=self.l2_norm_clip, variable_groups=self.variable_groups
         )
@@ -474,18 +553,32 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     f"clipped gradient of shape {None if g is None else tuple(g.shape)} does not "
                     f"match variable {getattr(v, 'path', v.name)} of shape {tuple(v.shape)}."
                 )
-        known = getattr(self, "_sensitivity", None)
-        if known is not None and known != clipped.l2_sensitivity:
+        if (clipped.unclipped_count is None) != (self.adaptive_clip is None):
             raise ValueError(
-                f"clipped.l2_sensitivity={clipped.l2_sensitivity} differs from the "
-                f"{known} of earlier steps: every step of one optimizer must use the same bound."
+                "clipped.unclipped_count must be given exactly when the optimizer has "
+                "adaptive_clip: clip through DPOptimizer.clip(summary)."
             )
-        self._sensitivity = clipped.l2_sensitivity
+        known = getattr(self, "_sensitivity", None)
+        # With adaptive_clip the bound is the optimizer's own l2_norm_clip variable (clip()).
+        if self.adaptive_clip is None:
+            if known is not None and known != clipped.l2_sensitivity:
+                raise ValueError(
+                    f"clipped.l2_sensitivity={clipped.l2_sensitivity} differs from the {known} "
+                    "of earlier steps: every step of one optimizer must use the same bound."
+                )
+            self._sensitivity = clipped.l2_sensitivity
         if replicas > 1:
             # Each replica clipped its own examples; the logical step's sum is over all of them.
             grads = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, [tf.convert_to_tensor(g) for g in grads]
             )
+        if clipped.unclipped_count is not None:  # summed and accumulated like the gradients
+            count = tf.convert_to_tensor(clipped.unclipped_count)
+            if replicas > 1:
+                count = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, count
+                )
+            grads = [*grads, count]
         # Nothing non-finite may reach the accumulators or the weights: CheckNumerics gates every
         # downstream op, so a bad batch fails the step before any variable changes.
         grads = [
@@ -530,6 +623,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self._finish(clipped, grads, variables, accumulators=None, step_noise=step_noise)
             return
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        if self.adaptive_clip is not None:
+            accumulators.append(self._accumulators[-1])
         totals = [
             tf.convert_to_tensor(a) + tf.cast(g, a.dtype) for a, g in zip(accumulators, grads)
         ]
@@ -576,14 +671,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
         accumulators: Sequence[Any] | None,
         step_noise: StepNoise | None = None,
     ) -> None:
+        count = None
+        sigma: Any = self._noise_multiplier
+        if self.adaptive_clip is not None:
+            totals, count = totals[:-1], totals[-1]
+            sigma = adaptive.gradient_noise_multiplier_tensor(
+                sigma, count_stddev=self.adaptive_clip.count_stddev
+            )
         summed = dataclasses.replace(clipped, grads=tuple(tf.cast(t, tf.float32) for t in totals))
         noised = aggregation.privatize(
             summed,
-            noise_multiplier=self._noise_multiplier,
+            noise_multiplier=sigma,
             expected_batch_size=self.expected_batch_size,
             seed=self.step_seed(),
             unit_noise=None if step_noise is None else step_noise.unit,
         )
+        if count is not None:
+            self._update_adaptive_clip(count)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Every replica holds the same noised sum (same all-reduced input, same seed); the inner
         # Keras optimizer all-reduces (sums) its gradients across replicas, so hand it 1/R each.
@@ -594,6 +698,26 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 a.assign(tf.zeros(a.shape, a.dtype))
             self.micro_steps.assign(0)
         self.dp_steps.assign_add(1)
+
+    def _update_adaptive_clip(self, count: tf.Tensor) -> None:
+        """Noises the step's centred count once and moves C towards the target quantile."""
+        config = self.adaptive_clip
+        assert config is not None
+        fraction = adaptive.noised_unclipped_fraction(
+            count,
+            count_stddev=config.count_stddev,
+            expected_batch_size=self.expected_batch_size,
+            seed=self.step_seed(),
+        )
+        self._unclipped_fraction.assign(fraction)
+        self._adaptive_clip_var.assign(
+            adaptive.updated_clip(
+                self._adaptive_clip_var.value,
+                fraction,
+                target_quantile=config.target_quantile,
+                learning_rate=config.learning_rate,
+            )
+        )
 
     # ----------------------------------------------------------------------------- config
     def get_config(self) -> dict[str, Any]:
@@ -607,6 +731,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "accumulation_steps": self.accumulation_steps,
             "seed": self._seed_arg,
             "variable_groups": None if self.variable_groups is None else list(self.variable_groups),
+            "adaptive_clip": None if self.adaptive_clip is None else self.adaptive_clip.to_dict(),
         }
 
     @classmethod
@@ -615,4 +740,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        if config.get("adaptive_clip") is not None:
+            config["adaptive_clip"] = AdaptiveClip(**config["adaptive_clip"])
         return cls(inner, **config)

@@ -1,0 +1,203 @@
+"""Quantile-adaptive clipping (Andrew et al. 2021, "Differentially Private Learning with Adaptive
+Clipping"): the clip bound C follows a target quantile of the per-example gradient norms.
+
+Contract:
+- :class:`AdaptiveClip` is the keyword-only configuration ``DPOptimizer(..., adaptive_clip=...)``
+  takes: target quantile γ, learning rate η and the count noise std σ_b.
+- Each logical step also releases the noised fraction of unclipped examples
+  ``b̃ = (sum_i (1[||g_i|| <= C] - 1/2) + N(0, σ_b^2)) / expected_batch_size + 1/2``, where the
+  indicator uses the same certified norm bounds that decide the clip factors and masked rows add
+  nothing. Centring the indicator at 1/2 (the paper's estimator, as in TF Privacy's
+  ``QuantileAdaptiveClipSumQuery``) gives the count sensitivity 1/2 under add/remove-one
+  adjacency; with ``n`` real rows it estimates the unclipped fraction exactly when
+  ``n = expected_batch_size``.
+- The next bound is the geometric update ``C <- C * exp(-η (b̃ - γ))``, a function of the noised
+  fraction only, kept in the positive normal float32 range so the noise std stays finite.
+- The step's noised gradient sum (sensitivity C) and noised count (sensitivity 1/2) release one
+  example's contribution through one Gaussian mechanism of noise multiplier σ with
+  ``σ^-2 = σ_Δ^-2 + (2 σ_b)^-2``: the gradient noise multiplier is
+  :func:`gradient_noise_multiplier` of the σ a run accounts for (its ``noise_multiplier``), so the
+  ledger, the ``DpEvent`` and ``DPConfig`` carry that effective σ unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = [
+    "AdaptiveClip",
+    "effective_noise_multiplier",
+    "gradient_noise_multiplier",
+    "noised_unclipped_fraction",
+    "updated_clip",
+]
+
+# The count noise is drawn from fold_in(step seed, _COUNT_STREAM); the gradient noise of variable j
+# uses fold_in(step seed, j) (dpcore.aggregation.standard_normal), j < the number of variables.
+_COUNT_STREAM = 2**31 - 1
+# C stays a positive normal float32 so that the noise std σ_Δ C is finite and non-zero.
+_MIN_CLIP = 2.0**-126
+_MAX_CLIP = 2.0**127
+
+
+def _finite_at_least(name: str, value: object, low: float, *, strict: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    v = float(value)
+    if not math.isfinite(v) or v < low or (strict and v == low):
+        sign = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite number {sign} {low}, got {value!r}.")
+    return v
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveClip:
+    """Settings of quantile-adaptive clipping (frozen, keyword-only).
+
+    The initial bound is the optimizer's ``l2_norm_clip``; flat clipping only (one bound).
+
+    Attributes:
+      target_quantile: γ in (0, 1): the fraction of examples that should be left unclipped.
+      learning_rate: η >= 0 of the geometric update ``C <- C exp(-η (b̃ - γ))`` (the paper uses
+        0.2); 0 keeps C fixed while still releasing the count.
+      count_stddev: σ_b >= 0, the std of the Gaussian noise on the centred count of unclipped
+        examples (the paper suggests ``expected_batch_size / 20``). It must exceed half the
+        run's ``noise_multiplier`` (unless that is 0); larger values leave more of the privacy
+        budget to the gradient.
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: float
+
+    def __post_init__(self) -> None:
+        gamma = _finite_at_least("target_quantile", self.target_quantile, 0.0, strict=True)
+        if gamma >= 1.0:
+            raise ValueError(f"target_quantile must be in (0, 1), got {self.target_quantile!r}.")
+        object.__setattr__(self, "target_quantile", gamma)
+        object.__setattr__(
+            self,
+            "learning_rate",
+            _finite_at_least("learning_rate", self.learning_rate, 0.0, strict=False),
+        )
+        object.__setattr__(
+            self,
+            "count_stddev",
+            _finite_at_least("count_stddev", self.count_stddev, 0.0, strict=False),
+        )
+
+    def gradient_noise_multiplier(self, noise_multiplier: float) -> float:
+        """σ_Δ for a run accounted with ``noise_multiplier`` (see :func:`gradient_noise_multiplier`)."""
+        return gradient_noise_multiplier(
+            noise_multiplier=noise_multiplier, count_stddev=self.count_stddev
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        """The fields, JSON-ready (``AdaptiveClip(**d)`` rebuilds it)."""
+        return dataclasses.asdict(self)
+
+
+def gradient_noise_multiplier(*, noise_multiplier: float, count_stddev: float) -> float:
+    """σ_Δ, the gradient's noise multiplier, with ``σ_Δ^-2 + (2 σ_b)^-2 = σ^-2``.
+
+    Args:
+      noise_multiplier: σ, the noise multiplier the run is accounted with.
+      count_stddev: σ_b, the std of the count noise (the centred count has sensitivity 1/2).
+
+    Returns:
+      σ_Δ >= σ (0 when σ = 0: a run without privacy).
+
+    Raises:
+      ValueError: when ``2 σ_b <= σ`` and σ > 0: the count alone would spend the whole budget.
+
+    Privacy:
+      The gradient sum (sensitivity C, noise std σ_Δ C) and the count (sensitivity 1/2, noise std
+      σ_b) of one step together are one Gaussian mechanism of noise multiplier σ.
+    """
+    sigma = _finite_at_least("noise_multiplier", noise_multiplier, 0.0, strict=False)
+    sigma_b = _finite_at_least("count_stddev", count_stddev, 0.0, strict=False)
+    if sigma == 0.0:
+        return 0.0
+    if not 2.0 * sigma_b > sigma:
+        raise ValueError(
+            f"count_stddev={count_stddev!r} is too small for noise_multiplier={noise_multiplier!r}: "
+            "adaptive clipping needs 2 * count_stddev > noise_multiplier (the count's noise "
+            "multiplier 2 * count_stddev must exceed the run's); raise count_stddev (e.g. "
+            "expected_batch_size / 20) or lower noise_multiplier."
+        )
+    return sigma / math.sqrt(1.0 - (sigma / (2.0 * sigma_b)) ** 2)
+
+
+def effective_noise_multiplier(*, gradient_noise_multiplier: float, count_stddev: float) -> float:
+    """σ with ``σ^-2 = σ_Δ^-2 + (2 σ_b)^-2``: what one adaptive step costs, as one Gaussian.
+
+    Args:
+      gradient_noise_multiplier: σ_Δ, the noise multiplier on the clipped gradient sum.
+      count_stddev: σ_b, the std of the count noise.
+
+    Returns:
+      σ <= min(σ_Δ, 2 σ_b) (0 when either is 0).
+
+    Privacy:
+      Account the run with this σ (``DPConfig(noise_multiplier=σ)``).
+    """
+    s_grad = _finite_at_least(
+        "gradient_noise_multiplier", gradient_noise_multiplier, 0.0, strict=False
+    )
+    s_count = 2.0 * _finite_at_least("count_stddev", count_stddev, 0.0, strict=False)
+    if s_grad == 0.0 or s_count == 0.0:
+        return 0.0
+    return 1.0 / math.sqrt(s_grad**-2 + s_count**-2)
+
+
+def gradient_noise_multiplier_tensor(sigma: Any, *, count_stddev: float) -> tf.Tensor:
+    """:func:`gradient_noise_multiplier` of a float64 σ tensor (checked where σ was set)."""
+    sigma = tf.cast(tf.convert_to_tensor(sigma), tf.float64)
+    if count_stddev == 0.0:  # only σ = 0 passes the check: no noise
+        return tf.zeros_like(sigma)
+    ratio = sigma / (2.0 * float(count_stddev))
+    return sigma / tf.sqrt(1.0 - tf.square(ratio))
+
+
+def noised_unclipped_fraction(
+    centred_count: Any, *, count_stddev: float, expected_batch_size: float, seed: tf.Tensor
+) -> tf.Tensor:
+    """``b̃ = (centred_count + N(0, σ_b^2)) / expected_batch_size + 1/2`` as a float64 scalar.
+
+    Args:
+      centred_count: the logical step's ``sum_i mask_i (1[||g_i|| <= C] - 1/2)`` (sensitivity 1/2).
+      count_stddev: σ_b.
+      expected_batch_size: the divisor (not the realized batch size).
+      seed: the logical step's ``[2]`` noise seed; the count uses its own stream of it.
+
+    Returns:
+      The noised estimate of the unclipped fraction.
+
+    Privacy:
+      The Gaussian mechanism on the count; call it once per logical step.
+    """
+    count = tf.cast(centred_count, tf.float64)
+    if count_stddev > 0.0:
+        stream = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _COUNT_STREAM)
+        z = tf.random.stateless_normal([], seed=stream, dtype=tf.float64)
+        count = count + float(count_stddev) * z
+    return count / float(expected_batch_size) + 0.5
+
+
+def updated_clip(
+    l2_norm_clip: Any, unclipped_fraction: Any, *, target_quantile: float, learning_rate: float
+) -> tf.Tensor:
+    """The geometric update ``C exp(-η (b̃ - γ))``, kept in the positive normal float32 range.
+
+    Privacy:
+      A function of the previous bound and the noised fraction only (post-processing).
+    """
+    c = tf.cast(l2_norm_clip, tf.float64)
+    step = -float(learning_rate) * (
+        tf.cast(unclipped_fraction, tf.float64) - float(target_quantile)
+    )
+    return tf.clip_by_value(c * tf.exp(step), _MIN_CLIP, _MAX_CLIP)
