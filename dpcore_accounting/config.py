@@ -13,6 +13,11 @@ Contract:
     size); the event is the sound no-amplification bound, one Gaussian mechanism per
     (possibly partial) epoch of ceil(N / B) steps. `assume_poisson=True` gives the Poisson
     figure for shuffled batches, which is an assumption and must be labelled as one.
+  * Counts are in privacy units: `num_examples` is the number of units in the private dataset
+    and `expected_batch_size` the expected units per logical step, so q = expected units /
+    units and the DpEvent is over units. A unit is a row unless `privacy_unit` says otherwise
+    (e.g. `"user"`: all of a user's rows, sampled together by `dpcore.units.unit_batches`);
+    ε is then per unit, under add/remove-one-unit adjacency.
   * All fields are validated on construction; bad values raise `ValueError` naming the field
     and the value. δ >= 1/N triggers a `UserWarning`.
 """
@@ -36,9 +41,10 @@ def _steps_for_epochs(epochs: object, fields: dict[str, Any]) -> int:
     """`ev.steps_for_epochs` for constructor keywords; epochs must be > 0 here."""
     if not ev._is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
         raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+    # Missing or wrong-typed fields are refused by ev.steps_for_epochs with the field's name.
     return ev.steps_for_epochs(
         epochs,
-        num_examples=fields.get("num_examples"),  # type: ignore[arg-type]  (validated there)
+        num_examples=fields.get("num_examples"),  # type: ignore[arg-type]
         expected_batch_size=fields.get("expected_batch_size"),  # type: ignore[arg-type]
         sampling=fields.get("sampling", "poisson"),
     )
@@ -51,14 +57,18 @@ class DPConfig:
     Attributes:
       l2_norm_clip: C > 0, the per-example gradient clip norm.
       noise_multiplier: σ >= 0; the noise std on the clipped sum is σ · C (σ = 0: no privacy).
-      expected_batch_size: expected size of one LOGICAL batch (Poisson: q · N; shuffle: the
-        fixed batch size, a whole number).
-      num_examples: N, size of the private dataset.
+      expected_batch_size: expected size of one LOGICAL batch, in privacy units (Poisson:
+        q · N; shuffle: the fixed batch size, a whole number).
+      num_examples: N, size of the private dataset in privacy units (rows, or users when
+        `privacy_unit="user"`).
       steps: logical steps of the run (noise added once per logical step).
       sampling: `"poisson"` (default) or `"shuffle"`.
       accumulation_steps: micro-batches per logical batch (memory only; no privacy effect).
       target_delta: δ for reported ε, in (0, 1); keep it well below 1/N.
       neighboring: `"add_remove"` (default) or `"replace_one"` adjacency.
+      privacy_unit: what one unit is, and what ε is per: `"example"` (default, one row) or a
+        group of rows such as `"user"`. It changes no number; it names the unit that
+        `num_examples` and `expected_batch_size` count, and the sampler's spec must agree.
     """
 
     l2_norm_clip: float
@@ -70,6 +80,7 @@ class DPConfig:
     accumulation_steps: int = 1
     target_delta: float = 1e-5
     neighboring: str = "add_remove"
+    privacy_unit: str = "example"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -101,6 +112,9 @@ class DPConfig:
         )
         put("target_delta", ev.check_delta(self.target_delta))
         ev.check_choice(self.neighboring, ev.NEIGHBORING_RELATIONS, "neighboring")
+        unit = self.privacy_unit
+        if not isinstance(unit, str) or not unit.strip():
+            raise ValueError(f"privacy_unit must be a non-empty string, got {unit!r}.")
         warn_if_delta_too_large(self.target_delta, self.num_examples)
 
     # ------------------------------------------------------------------------ derived
@@ -216,12 +230,14 @@ class DPConfig:
 
     def accounting_note(self) -> str:
         """One line saying what the reported ε assumes."""
+        unit = self.privacy_unit
+        per = "" if unit == "example" else f"; epsilon per {unit} (add/remove one {unit})"
         if self.sampling == "shuffle":
             return (
                 "shuffled fixed-size batches: sound bound without amplification (each epoch "
-                "is one Gaussian mechanism per example; epochs compose)"
+                f"is one Gaussian mechanism per {unit}; epochs compose){per}"
             )
-        return "Poisson-sampled Gaussian steps (PoissonSampledDpEvent)"
+        return f"Poisson-sampled Gaussian steps (PoissonSampledDpEvent){per}"
 
     # ---------------------------------------------------------------------- constructors
     @classmethod
