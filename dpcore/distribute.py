@@ -15,14 +15,19 @@ Contract:
   (:func:`for_replicas`). Either way every replica clips its own rows and
   :class:`dpcore.DPOptimizer` all-reduces the clipped sums and adds the noise once per global
   step, divided by the global ``expected_batch_size``.
-- Only the chief should write run outputs (ε, ledgers, results, checkpoints):
-  :func:`is_chief`.
+- Only the chief keeps run outputs (ε ledgers, results, checkpoints): every worker runs the
+  same callbacks (saving reads synchronized variables, a collective operation), and
+  :func:`worker_path` sends the non-chief workers' copies to a temporary folder; test
+  :func:`is_chief` before writing anything else.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +44,7 @@ __all__ = [
     "is_chief",
     "shared_seed",
     "worker_info",
+    "worker_path",
 ]
 
 
@@ -105,6 +111,37 @@ def any_worker(strategy: Any = None) -> Callable[[bool], bool]:
 def is_chief(strategy: Any = None) -> bool:
     """Whether this process writes the run's outputs (always True on one worker)."""
     return worker_info(strategy).is_chief
+
+
+def worker_path(path: str, strategy: Any) -> str:
+    """Where this worker writes an output that the chief alone should keep.
+
+    Under a multi-worker strategy every worker must run the same callbacks: saving a model
+    reads its synchronized variables (metrics), which is a collective operation, so a
+    checkpoint written by the chief alone would leave it waiting for the others. Each worker
+    writes, but only the chief to ``path``; the others write to a private temporary folder
+    (removed when the process exits), so the run leaves one copy of each output. E.g.
+    ``keras.callbacks.ModelCheckpoint(worker_path("ckpt.weights.h5", strategy))`` or
+    ``EpsilonCallback(config, ledger_path=worker_path("ledger.json", strategy))``.
+
+    Args:
+      path: the output's file or folder path.
+      strategy: the run's strategy (given explicitly: outside its scope the current strategy
+        is the default one, which has one worker).
+
+    Returns:
+      ``path`` on the chief (and on a single worker); elsewhere a path with the same base name
+      under a temporary folder of this process.
+    """
+    if is_chief(strategy):
+        return path
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="dpcore_worker_"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
+    return os.path.join(_SCRATCH[0], os.path.basename(os.path.normpath(path)))
+
+
+_SCRATCH: list[str] = []  # this process's folder for non-chief outputs
 
 
 def shared_seed(strategy: Any = None) -> int:

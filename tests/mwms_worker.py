@@ -185,7 +185,28 @@ def fit(out):
     )
     dp = _dp_model(STRATEGY)
     record = _Record()
-    history = dp.fit(shard, epochs=2, validation_data=(xv, yv), callbacks=[record], verbose=0)
+    config = dpcore.DPConfig(
+        l2_norm_clip=0.5,
+        noise_multiplier=0.5,
+        expected_batch_size=Q * N,
+        num_examples=N,
+        steps=2 * STEPS,
+    )
+    # Every worker runs the writers; only the chief's outputs land in `out`.
+    callbacks = [
+        record,
+        dpcore.callbacks.EpsilonCallback(
+            config, ledger_path=distribute.worker_path(os.path.join(out, "ledger.json"), STRATEGY)
+        ),
+        keras.callbacks.ModelCheckpoint(
+            distribute.worker_path(os.path.join(out, "ckpt.weights.h5"), STRATEGY),
+            save_weights_only=True,
+        ),
+    ]
+    result_path = distribute.worker_path(os.path.join(out, "written_by.txt"), STRATEGY)
+    with open(result_path, "a") as f:
+        f.write(f"{info.worker_index}\n")
+    history = dp.fit(shard, epochs=2, validation_data=(xv, yv), callbacks=callbacks, verbose=0)
     ev = dp.evaluate(xv, yv, return_dict=True, verbose=0)
     noise_seed = [int(s) for s in dp.optimizer.noise_seed.numpy()]
     result = {

@@ -85,12 +85,17 @@ def test_fit_and_evaluate_on_two_workers_match_one_process(tmp_path):
     for w in (w0, w1):
         assert w["dp_steps"] == 10 and w["batches"] == 10 and w["epochs"] == 2
         assert w["data_feed"] == "masked_batches"
-        assert set(w["history"]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
-        for key, values in w["history"].items():
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            values = w["history"][key]
             np.testing.assert_allclose(values, w["single_history"][key], rtol=1e-5)
         assert w["evaluate"]["loss"] == pytest.approx(w["history"]["val_loss"][-1], rel=1e-6)
         np.testing.assert_allclose(w["weights"], w["single_weights"], rtol=0, atol=1e-5)
         assert w["stopped_steps"] == 2  # worker 1's callback stopped both workers
         assert w["full_refused"]
     assert w0["weights"] == w1["weights"] and w0["noise_seed"] == w1["noise_seed"]
+    # Epsilon on every worker; one copy of each output: the chief's.
+    assert w0["history"]["epsilon"][-1] > 0
     assert w0["history"] == w1["history"]
+    assert (tmp_path / "written_by.txt").read_text() == "0\n"
+    assert (tmp_path / "ckpt.weights.h5").exists()
+    assert json.loads((tmp_path / "ledger.json").read_text())
