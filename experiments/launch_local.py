@@ -12,7 +12,8 @@ Contract:
     peer blocked in a collective op would wait forever); when the chief ends, the others get
     `grace_s` seconds to finish, then are killed; at `timeout_s` all are killed.
   * Returns each worker's exit status (negative: killed by that signal); the program exits
-    with the first non-zero status, 0 when all succeeded.
+    with the status of the first worker that failed by itself (else of one the launcher
+    stopped), 0 when all succeeded.
 
 Example:
   python -m dpcore_experiments.launch_local --workers=2 -- python my_training.py --flag=value
@@ -197,7 +198,7 @@ def main(argv: Sequence[str]) -> int:
         workers=flags.FLAGS.workers,
         timeout_s=flags.FLAGS.timeout_s,
         grace_s=flags.FLAGS.grace_s,
-        log_dir=flags.FLAGS.log_dir,
+        log_dir=flags.FLAGS.worker_log_dir,
         stream=sys.stdout,
     )
     for run in runs:
@@ -208,7 +209,9 @@ def main(argv: Sequence[str]) -> int:
                 f"{run.log_path}",
                 file=sys.stderr,
             )
-    return next((abs(r.returncode) or 1 for r in runs if r.returncode != 0), 0)
+    # A worker that failed by itself explains the run; the ones stopped after it do not.
+    failed = [r for r in runs if r.returncode and not r.killed] or [r for r in runs if r.returncode]
+    return min(abs(failed[0].returncode), 255) if failed else 0
 
 
 def _define_flags() -> None:
@@ -217,7 +220,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("workers", 2, "Number of local workers (worker 0 is the chief).")
     flags.DEFINE_float("timeout_s", 3600.0, "Kill every worker after this many seconds.")
     flags.DEFINE_float("grace_s", 30.0, "How long the others may run on after the chief ended.")
-    flags.DEFINE_string("log_dir", None, "Folder for worker<i>.log (default: a temporary one).")
+    flags.DEFINE_string(
+        "worker_log_dir", None, "Folder for worker<i>.log (default: a temporary one)."
+    )
 
 
 def _run(argv: Any) -> None:
