@@ -4,7 +4,17 @@ The public API, in pipeline order: the per-example gradient engine, clipping and
 aggregation, the DP optimizer and Keras integration, sampling, accounting and callbacks.
 """
 
-from dpcore import accounting, adaptive, aggregation, audit, callbacks, data, sampling, testing
+from dpcore import (
+    accounting,
+    adaptive,
+    aggregation,
+    audit,
+    callbacks,
+    data,
+    sampling,
+    testing,
+    units,
+)
 from dpcore.config import DPConfig
 from dpcore.engine import per_example_gradients, per_example_norms, summarize
 from dpcore.explain import explain
@@ -35,4 +45,5 @@ __all__ = [
     "sampling",
     "summarize",
     "testing",
+    "units",
 ]

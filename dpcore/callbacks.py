@@ -71,10 +71,11 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
     models record nothing and are not checked.
 
     Raises:
-      ValueError: for a ``SamplingSpec`` that disagrees with ``config`` (sampling mode, N, q or
-        batch size), or for ``config.sampling == "poisson"`` with arrays or with untagged
-        ``(x, y, mask, step_end)`` batches: the reported ε would assume a sampling that may not
-        be the one that ran.
+      ValueError: for a ``SamplingSpec`` that disagrees with ``config`` (sampling mode, N, q,
+        batch size or privacy unit) or with the model's units (``group_size``), or for
+        ``config.sampling == "poisson"`` with arrays or with untagged ``(x, y, mask,
+        step_end)`` batches: the reported ε would assume a sampling that may not be the one
+        that ran.
 
     Privacy:
       The ε reported for ``config`` holds only for data drawn as its DpEvent assumes.
@@ -82,6 +83,9 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
     spec = getattr(model, "sampling_spec", None)
     if isinstance(spec, SamplingSpec):
         spec.check_config(config)
+        options = getattr(model, "options", None)  # a DPModel's ExecutionOptions
+        if options is not None:
+            spec.check_group_size(getattr(options, "group_size", 1))
         return
     feed = getattr(model, "data_feed", None)
     if config.sampling != "poisson" or feed is None:

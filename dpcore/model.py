@@ -24,8 +24,10 @@ Contract:
   is dropped, never merged with the new pass's first step.
 - The sampler's :class:`~dpcore.sampling.SamplingSpec` is read from the dataset (before ``fit``
   re-wraps it) and kept as ``sampling_spec``; ``fit`` refuses one whose expected batch size is
-  not the optimizer's ``expected_batch_size``, and the privacy callbacks check it against their
-  ``DPConfig``.
+  not the optimizer's ``expected_batch_size`` or whose units (``group_size``) are not the
+  model's, and the privacy callbacks check it against their ``DPConfig``. Under
+  ``ExecutionOptions(group_size>1)`` sampler batches without a spec are refused (their chunks
+  might split a unit between two micro-batches of a step).
 """
 
 from __future__ import annotations
@@ -278,13 +280,23 @@ class DPModel(keras.Model):
 
         Raises:
           ValueError: if the data's ``SamplingSpec`` has another expected batch size than the
-            optimizer's ``expected_batch_size``.
+            optimizer's ``expected_batch_size`` or other units than the model's
+            ``group_size``, or if the model groups rows into units and the data has no spec.
         """
         optimizer = getattr(self, "optimizer", None)
         if not isinstance(optimizer, DPOptimizer):
             return  # not compiled: Keras says so
         if self.sampling_spec is not None:
             self.sampling_spec.check_expected_batch_size(optimizer.expected_batch_size)
+            self.sampling_spec.check_group_size(self.options.group_size)
+        elif self.options.group_size > 1:
+            raise ValueError(
+                f"ExecutionOptions(group_size={self.options.group_size}) on (x, y, mask, "
+                "step_end) batches that carry no SamplingSpec: whether their chunks keep each "
+                "unit's rows together (a unit split across two micro-batches of a step would be "
+                "clipped twice) is unknown. Feed dpcore.units.unit_batches(...) as returned, or "
+                "re-attach its spec after a per-element .map (dpcore.sampling.with_sampling_spec)."
+            )
         dropped = optimizer.discard_open_step()
         if dropped:
             warnings.warn(

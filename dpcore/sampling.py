@@ -27,6 +27,11 @@ Contract:
     coins), all of the same padded size, so the workers stay in lockstep with no communication.
     Its `SamplingSpec` is the global one (N, q, expected batch size q * N) plus the worker count
     and index; a multi-worker run refuses data whose spec is not sharded for its worker count.
+  * `dpcore.units.unit_batches` is `poisson_batches` over privacy units of several rows (users):
+    the coins are drawn per unit and each element lays its units out as contiguous groups of K
+    rows. Its `SamplingSpec` counts units (N, q, expected batch size) and records K
+    (`group_size`) and what a unit is (`privacy_unit`); `DPModel.fit` refuses it unless the
+    model clips groups of K rows, and the callbacks unless their `DPConfig` names that unit.
   * `shuffled_batches` yields the same 4-tuple for the (non-Poisson) shuffle mode: every
     example exactly once per epoch, the last partial batch padded and masked.
   * Every returned dataset carries a `SamplingSpec` (read it with `sampling_spec(ds)`): the
@@ -103,6 +108,7 @@ __all__ = [
     "num_examples",
     "padded_batch_size_for",
     "poisson_batches",
+    "poisson_spec",
     "sampling_spec",
     "shard_indices",
     "sharded_poisson_batches",
@@ -243,6 +249,12 @@ class SamplingSpec:
       num_workers: W, the workers that each sample a disjoint shard of the N examples
         (`sharded_poisson_batches`); 1 for a single machine's sampler.
       worker_index: which shard this dataset draws from (0 <= worker_index < num_workers).
+      group_size: K, rows per privacy unit in every element: rows ``[u*K, (u+1)*K)`` are one
+        unit (`dpcore.units.unit_batches`; 1 for a sampler of single rows). `num_examples`,
+        `sampling_prob` and `expected_batch_size` then count units, `padded_batch_size` rows
+        (a multiple of K), and the model must run with ``ExecutionOptions(group_size=K)``.
+      privacy_unit: what one unit is (`"example"` for the row samplers, e.g. `"user"`); the
+        `DPConfig` that accounts for the data must name the same unit.
     """
 
     sampling: str
@@ -254,6 +266,8 @@ class SamplingSpec:
     start_step: int = 0
     num_workers: int = 1
     worker_index: int = 0
+    group_size: int = 1
+    privacy_unit: str = "example"
 
     def __post_init__(self) -> None:
         if self.sampling not in _MODES:
@@ -278,6 +292,18 @@ class SamplingSpec:
             )
         if self.num_workers > 1 and self.sampling != "poisson":
             raise ValueError("only Poisson sampling is sharded across workers.")
+        k = self.group_size
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"group_size must be a positive integer, got {k!r}.")
+        if int(self.padded_batch_size) % k:
+            raise ValueError(
+                f"padded_batch_size={self.padded_batch_size} is not a multiple of group_size={k}: "
+                "an element would cut a privacy unit in two."
+            )
+        if k > 1 and (self.sampling != "poisson" or self.num_workers > 1):
+            raise ValueError("units of several rows are sampled by dpcore.units.unit_batches only.")
+        if not isinstance(self.privacy_unit, str) or not self.privacy_unit:
+            raise ValueError(f"privacy_unit must be a non-empty string, got {self.privacy_unit!r}.")
         poisson = self.sampling == "poisson"
         if poisson and not _same(self.expected_batch_size, self.sampling_prob * self.num_examples):
             raise ValueError(
@@ -286,6 +312,11 @@ class SamplingSpec:
             )
 
     def _describe(self) -> str:
+        if self.group_size > 1 or self.privacy_unit != "example":
+            return (
+                f"unit_batches(sampling_prob={self.sampling_prob:.6g}, max_rows_per_unit="
+                f"{self.group_size}) over {self.num_examples} units ({self.privacy_unit})"
+            )
         if self.sampling == "poisson" and self.num_workers > 1:
             return (
                 f"sharded_poisson_batches(sampling_prob={self.sampling_prob:.6g}, num_workers="
@@ -316,6 +347,29 @@ class SamplingSpec:
                 "different sampling than the one that runs. Build the sampler and the "
                 "optimizer from one DPConfig (sampling_prob=config.sampling_prob)."
             )
+
+    def check_group_size(self, group_size: int) -> None:
+        """Refuses a model whose units are not this data's units.
+
+        Args:
+          group_size: the model's ``ExecutionOptions.group_size`` (rows clipped together).
+
+        Raises:
+          ValueError: naming both sizes.
+
+        Privacy:
+          The engine clips rows ``[u*K, (u+1)*K)`` together. With another K than the sampler's,
+          a unit's rows would be clipped in several groups (its contribution up to a multiple
+          of C while the noise is scaled to C) or rows of different units would share a clip.
+        """
+        if int(group_size) == self.group_size:
+            return
+        raise ValueError(
+            f"the data comes from {self._describe()}, laid out in units of {self.group_size} "
+            f"row(s), but the model clips groups of ExecutionOptions(group_size={group_size}) "
+            f"rows: use options=ExecutionOptions(group_size={self.group_size}) so that each "
+            "unit is clipped once, as a whole."
+        )
 
     def check_workers(self, num_workers: int, worker_index: int) -> None:
         """Refuses data that is not this worker's shard of a W-worker sampling.
@@ -372,6 +426,14 @@ class SamplingSpec:
                 f"{self._describe()} (sampling={self.sampling!r}): the reported epsilon would "
                 f"not be the run's. Use DPConfig(sampling={self.sampling!r}, ...) or feed "
                 f"dpcore.sampling.{_SAMPLERS[config.sampling]}."
+            )
+        config_unit = getattr(config, "privacy_unit", "example")
+        if config_unit != self.privacy_unit:
+            raise ValueError(
+                f"the config accounts for privacy_unit={config_unit!r}, but the data comes from "
+                f"{self._describe()}: the reported epsilon would be per {config_unit}, not per "
+                f"{self.privacy_unit}. Use DPConfig(privacy_unit={self.privacy_unit!r}, "
+                "num_examples=<number of units>, ...)."
             )
         if int(config.num_examples) != self.num_examples:
             raise ValueError(
@@ -624,16 +686,42 @@ def poisson_batches(
         indices = tf.where(_step_coins(key, step, n, q))[:, 0]
         return _chunked(xs, ys, indices, p)
 
-    spec = SamplingSpec(
-        sampling="poisson",
-        num_examples=n,
-        sampling_prob=q,
-        expected_batch_size=q * n,
-        steps=int(steps),
-        padded_batch_size=p,
-        start_step=start,
-    )
+    spec = poisson_spec(n, q, steps=steps, padded_batch_size=p, start_step=start)
     return _poisson_pipeline(step_sample, seed=seed, spec=spec)
+
+
+def poisson_spec(
+    num_examples: int,
+    sampling_prob: float,
+    *,
+    steps: int,
+    padded_batch_size: int,
+    start_step: int = 0,
+    **fields: Any,
+) -> SamplingSpec:
+    """The `SamplingSpec` of a Poisson sampler over N examples (or units): expected size q * N.
+
+    Args:
+      num_examples: N.
+      sampling_prob: q.
+      steps: logical steps per iteration.
+      padded_batch_size: rows per element.
+      start_step: index of the first step.
+      **fields: the other `SamplingSpec` fields (workers, `group_size`, `privacy_unit`).
+
+    Returns:
+      The spec.
+    """
+    return SamplingSpec(
+        sampling="poisson",
+        num_examples=int(num_examples),
+        sampling_prob=float(sampling_prob),
+        expected_batch_size=float(sampling_prob) * int(num_examples),
+        steps=int(steps),
+        padded_batch_size=int(padded_batch_size),
+        start_step=int(start_step),
+        **fields,
+    )
 
 
 def _poisson_pipeline(step_sample: Any, *, seed: int | None, spec: SamplingSpec) -> tf.data.Dataset:
@@ -747,14 +835,12 @@ def sharded_poisson_batches(
         num_chunks = _chunks_for(counts, tf.constant(p, tf.int64))
         return _chunked(xs, ys, tf.where(grid[:, index])[:, 0], p, num_chunks)
 
-    spec = SamplingSpec(
-        sampling="poisson",
-        num_examples=n,
-        sampling_prob=q,
-        expected_batch_size=q * n,
-        steps=int(steps),
+    spec = poisson_spec(
+        n,
+        q,
+        steps=steps,
         padded_batch_size=p,
-        start_step=int(start_step),
+        start_step=start_step,
         num_workers=workers,
         worker_index=index,
     )
