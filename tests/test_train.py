@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -205,3 +206,68 @@ def test_baseline_batches_normalize_like_the_dp_step():
     keras_mean = keras.losses.MeanSquaredError()  # sum_over_batch_size: divides by P
     got = float(keras_mean(losses[:, None] ** 0.5, np.zeros((4, 1)), sample_weight=weights))
     assert got == pytest.approx((0.5 + 1.5 + 2.0) / 2.0)
+
+
+def test_synthetic_users_are_skewed_and_fixed():
+    users = train.synthetic_users(1438)
+    np.testing.assert_array_equal(users, train.synthetic_users(1438))  # part of the dataset
+    counts = np.bincount(users)
+    counts = counts[counts > 0]
+    assert np.max(counts) >= 20 * np.median(counts)  # Zipf-like: a few users own many rows
+    with pytest.raises(ValueError, match="Poisson"):
+        _settings(privacy_unit="user", sampling="shuffle")
+
+
+def test_user_level_run_reports_epsilon_per_user(tmp_path):
+    """A tiny user-level run: users are sampled and counted, ε is the DpEvent over users."""
+    from dpcore.config import DPConfig
+
+    settings = _settings(
+        tmp_path, epochs=1, batch_size=32, privacy_unit="user", max_rows_per_user=4
+    )
+    results = train.run_training(settings)
+    with open(tmp_path / train.RESULTS_FILE) as f:
+        on_disk = json.load(f)
+    users = on_disk["users"]
+    num_users = len(np.unique(train.synthetic_users(1438)))
+    assert users["synthetic"] is True and users["num_users"] == num_users
+    assert users["max_rows_per_user"] == 4 and users["rows_dropped_by_cap"] > 0
+    privacy = on_disk["privacy"]
+    assert privacy["privacy_unit"] == "user" and "per user" in privacy["accounting"]
+    plan = results["plan"]
+    assert plan["num_examples"] == num_users
+    assert plan["total_steps"] == math.ceil(num_users / 32)
+    expected = DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=2.0,
+        expected_batch_size=32.0,
+        num_examples=num_users,
+        steps=plan["total_steps"],
+        privacy_unit="user",
+    )
+    assert privacy["epsilon_pld"] == pytest.approx(expected.epsilon(accountant="pld"), rel=1e-9)
+    assert results["completed"] is True and np.isfinite(results["test_accuracy"])
+
+
+def test_scatter_linear_on_a_validation_split_with_a_feature_cache(tmp_path):
+    cache = str(tmp_path / "features.npz")
+    settings = _settings(
+        tmp_path / "run",
+        model="scatter_linear",
+        epochs=2,
+        batch_size=256,
+        learning_rate=2.0,
+        l2_norm_clip=0.1,
+        validation_examples=300,
+        feature_cache=cache,
+    )
+    results = train.run_training(settings)
+    assert results["dataset"]["input_shape"] == [81 * 2 * 2]  # 8x8 digits: 2x2 positions
+    assert results["dataset"]["num_train"] == 1438 - 300 and results["dataset"]["num_test"] == 300
+    assert results["dataset"]["evaluated_on"].startswith("validation")
+    assert results["test_accuracy"] > 0.5  # a linear model on scattering features learns digits
+    assert os.path.exists(cache)
+    again = train.load_data(settings)  # served from the cache, identical
+    fresh = train.load_data(dataclasses.replace(settings, feature_cache=None))
+    for (a, _), (b, _) in zip(again, fresh):
+        np.testing.assert_array_equal(a, b)
