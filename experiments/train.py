@@ -9,6 +9,12 @@ Contract:
   * `--sampling=poisson` trains on genuine Poisson-subsampled batches (`dpcore.sampling`) and
     accounts them with `PoissonSampledDpEvent`; `--sampling=shuffle` trains on shuffled
     fixed-size batches and reports the sound no-amplification bound.
+  * `--privacy_unit=user` trains with user-level DP: the training rows are assigned to
+    SYNTHETIC users (`synthetic_users`: a Zipf-like number of rows per user, fixed seed; the
+    datasets have no real user column), `dpcore.units.unit_batches` Poisson-samples users with
+    up to `--max_rows_per_user` rows each, every user's rows are clipped together
+    (`ExecutionOptions(group_size=...)`), and `--batch_size`, N and ε count users: ε is per
+    user (`results.json` says so under `privacy.privacy_unit` and `users`).
   * `<output_dir>/results.json` holds the full settings, the DpEvent that ran, ε by PLD and
     RDP, per-epoch train/test accuracy and loss, wall time per epoch, and the dp-accounting and
     TensorFlow versions; `<output_dir>/checkpoint` holds the model and optimizer state (the
@@ -43,9 +49,10 @@ if __name__ == "__main__":  # the main job: no TensorFlow start-up lines that lo
     import_tensorflow_quietly()
 
 DATASETS = ("digits", "fashion_mnist", "mnist")
-MODELS = ("mlp", "cnn", "scatter_linear")
+MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("sgd", "adam")
 SAMPLING = ("poisson", "shuffle")
+PRIVACY_UNITS = ("example", "user")
 RESULTS_FILE = "results.json"
 CHECKPOINT_DIR = "checkpoint"
 
@@ -67,6 +74,9 @@ class TrainSettings:
     target_epsilon: float | None = 3.0
     target_delta: float = 1e-5
     sampling: str = "poisson"
+    privacy_unit: str = "example"
+    max_rows_per_user: int = 8
+    num_users: int | None = None
     dp: bool = True
     seed: int | None = None
     output_dir: str | None = None
@@ -74,8 +84,6 @@ class TrainSettings:
     stop_after_epochs: int | None = None
     eval_batch_size: int = 1024
     train_eval_examples: int = 10000
-    validation_examples: int = 0
-    feature_cache: str | None = None
     verbose: int = 1
 
     def __post_init__(self) -> None:
@@ -84,8 +92,10 @@ class TrainSettings:
             (self.model in MODELS, f"model must be one of {MODELS}"),
             (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
             (self.sampling in SAMPLING, f"sampling must be one of {SAMPLING}"),
+            (self.privacy_unit in PRIVACY_UNITS, f"privacy_unit must be one of {PRIVACY_UNITS}"),
+            (self.max_rows_per_user >= 1, "max_rows_per_user must be >= 1"),
+            (self.num_users is None or self.num_users >= 1, "num_users must be >= 1"),
             (self.epochs >= 1, "epochs must be >= 1"),
-            (self.validation_examples >= 0, "validation_examples must be >= 0"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.l2_norm_clip > 0, "l2_norm_clip must be > 0"),
@@ -102,67 +112,68 @@ class TrainSettings:
             raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
         if self.resume and not self.output_dir:
             raise ValueError("--resume needs --output_dir (where the checkpoint is).")
+        if self.privacy_unit == "user" and self.sampling != "poisson":
+            raise ValueError("--privacy_unit=user samples users with Poisson sampling only.")
 
 
 # --------------------------------------------------------------------------------------- data
 def load_data(settings: TrainSettings) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """(x_train, y_train), (x_eval, y_eval): images [n, h, w, 1], or scattering features.
-
-    With `validation_examples=K` the last K training examples are held out and returned as the
-    evaluation set instead of the test set (tune on them, never on the test set). For
-    `scatter_linear` the images become group-normalized scattering features, flattened.
-    """
+    """(x_train, y_train), (x_test, y_test) with a trailing channel axis: [n, h, w, 1]."""
     from dpcore import data
 
     (x_train, y_train), (x_test, y_test) = data.load_dataset(settings.dataset, settings.data_dir)
-    if settings.validation_examples:
-        k = settings.validation_examples
-        if k >= len(x_train):
-            raise ValueError(f"validation_examples={k} leaves no training examples.")
-        (x_train, y_train), (x_test, y_test) = (
-            (x_train[:-k], y_train[:-k]),
-            (x_train[-k:], y_train[-k:]),
-        )
-    if settings.model == "scatter_linear":
-        return scatter_features(settings, x_train, x_test, y_train, y_test)
     return (x_train[..., None], y_train), (x_test[..., None], y_test)
 
 
-def scatter_features(
-    settings: TrainSettings, x_train: Any, x_eval: Any, y_train: Any, y_eval: Any
-) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """Scattering features (J = 2, L = 8) with per-example group normalization (27 groups).
+USERS_SEED = 0  # the synthetic user assignment is part of the dataset: fixed, not --seed
+ZIPF_EXPONENT = 1.1
+ROWS_PER_USER = 5  # default number of users: training rows / 5
 
-    A fixed per-example map (no privacy cost); computed once and kept in `feature_cache` (an
-    .npz path) when one is given, keyed by the images it was computed from.
+
+def synthetic_users(
+    num_rows: int, num_users: int | None = None, *, exponent: float = ZIPF_EXPONENT
+) -> np.ndarray:
+    """A SYNTHETIC user id per training row (the datasets have no user column).
+
+    Row r goes to user u with probability proportional to (u + 1) ** -exponent (a Zipf-like,
+    heavily skewed number of rows per user: a few users own many rows, most own one or two),
+    drawn once with a fixed seed, so the assignment is the same in every run. Users that draw
+    no row do not exist.
+
+    Args:
+      num_rows: training rows.
+      num_users: users to draw from; default num_rows // ROWS_PER_USER.
+      exponent: the Zipf exponent.
+
+    Returns:
+      int64 ``[num_rows]`` user ids.
     """
-    from dpcore_experiments import scatternet
+    users = num_users or max(1, num_rows // ROWS_PER_USER)
+    weights = (np.arange(users) + 1.0) ** -float(exponent)
+    rng = np.random.default_rng(USERS_SEED)
+    return rng.choice(users, size=num_rows, p=weights / weights.sum()).astype(np.int64)
 
-    key = np.array([len(x_train), len(x_eval), float(np.sum(x_train[:64])), float(np.sum(x_eval))])
-    cache = settings.feature_cache
-    if cache and os.path.exists(cache):
-        stored = np.load(cache)
-        if np.array_equal(stored["key"], key):
-            return (stored["x_train"], y_train), (stored["x_eval"], y_eval)
 
-    def progress(done: int, total: int) -> None:
-        if settings.verbose:
-            print(f"  scattering features: {done}/{total}", flush=True)
+def user_summary(settings: TrainSettings, users: np.ndarray) -> dict[str, Any]:
+    """What results.json says about the synthetic users and the cap."""
+    from dpcore import units
 
-    features = []
-    for images in (x_train, x_eval):
-        f = scatternet.scattering(np.asarray(images, np.float32), J=2, L=8, progress=progress)
-        f = scatternet.group_normalize(f, groups=f.shape[1] // 3)
-        features.append(f.reshape(len(f), -1))
-    if cache:
-        np.savez(cache, key=key, x_train=features[0], x_eval=features[1])
-    return (features[0], y_train), (features[1], y_eval)
+    table = units.unit_table(users, max_rows_per_unit=settings.max_rows_per_user)
+    return {
+        "synthetic": True,
+        "assignment": f"{settings.dataset} training rows assigned to synthetic users, rows per "
+        f"user Zipf-like (exponent {ZIPF_EXPONENT}), fixed seed {USERS_SEED}",
+        "num_users": table.num_units,
+        "max_rows_per_user": table.max_rows_per_unit,
+        "rows_per_user_max": int(table.num_rows.max()),
+        "rows_per_user_median": float(np.median(table.num_rows)),
+        "rows_dropped_by_cap": table.dropped_rows,
+    }
 
 
 # -------------------------------------------------------------------------------------- model
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10) -> Any:
-    """`mlp` (one tanh hidden layer), `cnn` (the end-to-end tanh CNN of Tramèr & Boneh) or
-    `scatter_linear` (their linear model on scattering features, see `scatter_features`).
+    """`mlp` (one tanh hidden layer) or `cnn`, the end-to-end tanh CNN of Tramèr & Boneh.
 
     The CNN is conv16 8x8 stride 2 -> tanh -> maxpool 2 stride 1 -> conv32 4x4 stride 2 ->
     tanh -> maxpool 2 stride 1 -> dense32 -> tanh -> dense10 (logits). The first convolution
@@ -176,11 +187,6 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10) 
         layers = zoo.tanh_mlp_layers(keras, input_shape, num_classes, hidden=128)
     elif name == "cnn":
         layers = zoo.cnn_layers(keras, input_shape, num_classes)
-    elif name == "scatter_linear":  # a linear classifier on scattering features
-        layers = [
-            keras.Input(input_shape),
-            keras.layers.Dense(num_classes, kernel_initializer="zeros"),
-        ]
     else:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
     return keras.Sequential(layers, name=name)
@@ -204,7 +210,7 @@ class Plan:
     epochs", so the run trains exactly the steps the accountant and the epsilon CLI count.
     """
 
-    num_examples: int
+    num_examples: int  # privacy units: rows, or users under --privacy_unit=user
     epoch_end_steps: tuple[int, ...]
     total_steps: int
     expected_batch_size: float
@@ -232,6 +238,7 @@ def dp_config(settings: TrainSettings, num_examples: int, noise_multiplier: floa
         num_examples=num_examples,
         sampling=settings.sampling,
         target_delta=settings.target_delta,
+        privacy_unit=settings.privacy_unit,
     )
 
 
@@ -263,7 +270,12 @@ def privacy_report(settings: TrainSettings, ledger: Any) -> dict[str, Any]:
     if not settings.dp:
         return {"dp": False, "epsilon": math.inf, "note": "non-private baseline"}
     delta = settings.target_delta
-    report: dict[str, Any] = {"dp": True, "steps": ledger.steps, "target_delta": delta}
+    report: dict[str, Any] = {
+        "dp": True,
+        "steps": ledger.steps,
+        "target_delta": delta,
+        "privacy_unit": settings.privacy_unit,
+    }
     if ledger.steps == 0:
         report.update(epsilon=0.0, epsilon_pld=0.0, epsilon_rdp=0.0, dp_event=None)
         return report
@@ -277,16 +289,40 @@ def privacy_report(settings: TrainSettings, ledger: Any) -> dict[str, Any]:
         else "shuffled batches: no-amplification bound (each epoch composes as Gaussian "
         "mechanisms; no Poisson amplification assumed)"
     )
+    if settings.privacy_unit == "user":
+        report["accounting"] += (
+            "; over users: epsilon per user (add/remove one user with all their rows)"
+        )
     return report
 
 
 # ------------------------------------------------------------------------------------ batches
 def train_batches(
-    settings: TrainSettings, plan: Plan, x: np.ndarray, y: np.ndarray, epoch: int
+    settings: TrainSettings,
+    plan: Plan,
+    x: np.ndarray,
+    y: np.ndarray,
+    epoch: int,
+    users: np.ndarray | None = None,
 ) -> Any:
-    """One epoch of `(x, y, mask, step_end)` elements, continuing the run's step numbering."""
-    from dpcore import sampling
+    """One epoch of `(x, y, mask, step_end)` elements, continuing the run's step numbering.
 
+    With `users` (``--privacy_unit=user``) each step Poisson-samples users, each with up to
+    ``max_rows_per_user`` of their rows (`dpcore.units.unit_batches`).
+    """
+    from dpcore import sampling, units
+
+    if users is not None:
+        return units.unit_batches(
+            x,
+            y,
+            unit_ids=users,
+            sampling_prob=plan.sampling_prob,
+            steps=plan.epoch_steps(epoch),
+            max_rows_per_unit=settings.max_rows_per_user,
+            seed=settings.seed,
+            start_step=plan.epoch_start(epoch),
+        )
     if settings.sampling == "poisson":
         return sampling.poisson_batches(
             x,
@@ -329,7 +365,9 @@ def _build_training_model(settings: TrainSettings, plan: Plan, model: Any) -> tu
         model.compile(optimizer=inner, loss=loss, metrics=metrics)
         return model, inner
     import dpcore.model
+    from dpcore.options import ExecutionOptions
 
+    group_size = settings.max_rows_per_user if settings.privacy_unit == "user" else 1
     dp_model = dpcore.model.make_private(
         model,
         optimizer=inner,
@@ -337,6 +375,7 @@ def _build_training_model(settings: TrainSettings, plan: Plan, model: Any) -> tu
         metrics=metrics,
         config=dp_config(settings, plan.num_examples, plan.noise_multiplier),
         seed=settings.seed,
+        options=ExecutionOptions(group_size=group_size),
     )
     return dp_model, dp_model.optimizer
 
@@ -347,14 +386,7 @@ def _evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int) -> tupl
 
 
 # Settings that may differ between an interrupted run and its --resume continuation.
-_RESUME_FREE = (
-    "resume",
-    "stop_after_epochs",
-    "verbose",
-    "output_dir",
-    "data_dir",
-    "feature_cache",
-)
+_RESUME_FREE = ("resume", "stop_after_epochs", "verbose", "output_dir", "data_dir")
 
 
 def _check_same_run(previous: dict[str, Any], current: dict[str, Any]) -> None:
@@ -407,7 +439,11 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     from dpcore import sampling as _sampling  # noqa: F401  (fail early if dpcore is broken)
 
     (x_train, y_train), (x_test, y_test) = load_data(settings)
-    num_examples = int(x_train.shape[0])
+    users = None
+    num_examples = int(x_train.shape[0])  # privacy units: rows, or users
+    if settings.privacy_unit == "user":
+        users = synthetic_users(num_examples, settings.num_users)
+        num_examples = len(np.unique(users))
     plan = make_plan(settings, num_examples)
     if settings.seed is not None:
         tf.keras.utils.set_random_seed(settings.seed)
@@ -421,18 +457,15 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         "plan": {**dataclasses.asdict(plan), "epoch_end_steps": list(plan.epoch_end_steps)},
         "dataset": {
             "name": settings.dataset,
-            "num_train": num_examples,
+            "num_train": int(x_train.shape[0]),
             "num_test": int(x_test.shape[0]),
             "input_shape": list(x_train.shape[1:]),
-            "evaluated_on": (
-                f"validation: the last {settings.validation_examples} training examples"
-                if settings.validation_examples
-                else "test"
-            ),
         },
         "versions": _versions(),
         "epochs": [],
     }
+    if users is not None:
+        results["users"] = user_summary(settings, users)
     manager = None
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False)
     results_path = None
@@ -477,7 +510,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         end_epoch = min(end_epoch, start_epoch + settings.stop_after_epochs)
     callbacks = [] if epsilon_log is None else [epsilon_log]
     for epoch in range(start_epoch, end_epoch):
-        batches = train_batches(settings, plan, x_train, y_train, epoch)
+        batches = train_batches(settings, plan, x_train, y_train, epoch, users)
         if not settings.dp:
             batches = baseline_batches(batches, expected_batch_size=plan.expected_batch_size)
         start = time.perf_counter()
@@ -563,6 +596,19 @@ def _define_flags() -> None:
     )
     flags.DEFINE_float("delta", defaults.target_delta, "δ of the (ε, δ) guarantee.")
     flags.DEFINE_enum("sampling", defaults.sampling, SAMPLING, "Batch sampling mode.")
+    flags.DEFINE_enum(
+        "privacy_unit",
+        defaults.privacy_unit,
+        PRIVACY_UNITS,
+        "example: example-level DP. user: user-level DP over SYNTHETIC users (rows assigned "
+        "Zipf-like, fixed seed); --batch_size and epsilon then count users.",
+    )
+    flags.DEFINE_integer(
+        "max_rows_per_user", defaults.max_rows_per_user, "User-level: rows kept per user (cap)."
+    )
+    flags.DEFINE_integer(
+        "num_users", None, "User-level: synthetic users to draw (default training rows / 5)."
+    )
     flags.DEFINE_bool("dp", defaults.dp, "--nodp / --dp=false trains a non-private baseline.")
     flags.DEFINE_integer("seed", None, "Fixed seed (sampling, noise, init); default OS entropy.")
     flags.DEFINE_string("output_dir", None, "Where results.json and the checkpoint go.")
@@ -571,15 +617,6 @@ def _define_flags() -> None:
         "stop_after_epochs", None, "End this invocation after N epochs (continue with --resume)."
     )
     flags.DEFINE_integer("verbose", defaults.verbose, "0: quiet, 1: one line per epoch.")
-    flags.DEFINE_integer(
-        "validation_examples",
-        0,
-        "Hold out the last N training examples and report accuracy on them instead of the test "
-        "set (for tuning; the 'test_accuracy' fields then hold validation accuracy).",
-    )
-    flags.DEFINE_string(
-        "feature_cache", None, "scatter_linear: .npz file to keep the scattering features in."
-    )
 
 
 def settings_from_flags() -> TrainSettings:
@@ -600,14 +637,15 @@ def settings_from_flags() -> TrainSettings:
         target_epsilon=None if f.noise_multiplier is not None else f.target_epsilon,
         target_delta=f.delta,
         sampling=f.sampling,
+        privacy_unit=f.privacy_unit,
+        max_rows_per_user=f.max_rows_per_user,
+        num_users=f.num_users,
         dp=f.dp,
         seed=f.seed,
         output_dir=f.output_dir,
         resume=f.resume,
         stop_after_epochs=f.stop_after_epochs,
         verbose=f.verbose,
-        validation_examples=f.validation_examples,
-        feature_cache=f.feature_cache,
     )
 
 
@@ -622,10 +660,17 @@ def main(argv: list[str]) -> None:
     results = run_training(settings)
     privacy = results["privacy"]
     print(f"dataset: {settings.dataset} ({results['dataset']['num_train']} train examples)")
+    if "users" in results:
+        u = results["users"]
+        print(
+            f"privacy unit: user ({u['num_users']} SYNTHETIC users, Zipf-like rows per user, "
+            f"at most {u['max_rows_per_user']} rows each; {u['rows_dropped_by_cap']} rows dropped)"
+        )
     print(f"test accuracy: {results['test_accuracy']:.4f}")
     if settings.dp:
         print(
-            f"epsilon: {privacy['epsilon']:.3f} (PLD; RDP {privacy['epsilon_rdp']:.3f}) "
+            f"epsilon{' per user' if settings.privacy_unit == 'user' else ''}: "
+            f"{privacy['epsilon']:.3f} (PLD; RDP {privacy['epsilon_rdp']:.3f}) "
             f"at delta={settings.target_delta:g}, noise_multiplier="
             f"{results['plan']['noise_multiplier']:.4f}, sampling={settings.sampling}"
         )
