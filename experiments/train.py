@@ -49,7 +49,7 @@ if __name__ == "__main__":  # the main job: no TensorFlow start-up lines that lo
     import_tensorflow_quietly()
 
 DATASETS = ("digits", "fashion_mnist", "mnist")
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "scatter_linear")
 OPTIMIZERS = ("sgd", "adam")
 SAMPLING = ("poisson", "shuffle")
 PRIVACY_UNITS = ("example", "user")
@@ -84,6 +84,8 @@ class TrainSettings:
     stop_after_epochs: int | None = None
     eval_batch_size: int = 1024
     train_eval_examples: int = 10000
+    validation_examples: int = 0
+    feature_cache: str | None = None
     verbose: int = 1
 
     def __post_init__(self) -> None:
@@ -96,6 +98,7 @@ class TrainSettings:
             (self.max_rows_per_user >= 1, "max_rows_per_user must be >= 1"),
             (self.num_users is None or self.num_users >= 1, "num_users must be >= 1"),
             (self.epochs >= 1, "epochs must be >= 1"),
+            (self.validation_examples >= 0, "validation_examples must be >= 0"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.l2_norm_clip > 0, "l2_norm_clip must be > 0"),
@@ -118,11 +121,57 @@ class TrainSettings:
 
 # --------------------------------------------------------------------------------------- data
 def load_data(settings: TrainSettings) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """(x_train, y_train), (x_test, y_test) with a trailing channel axis: [n, h, w, 1]."""
+    """(x_train, y_train), (x_eval, y_eval): images [n, h, w, 1], or scattering features.
+
+    With `validation_examples=K` the last K training examples are held out and returned as the
+    evaluation set instead of the test set (tune on them, never on the test set). For
+    `scatter_linear` the images become group-normalized scattering features, flattened.
+    """
     from dpcore import data
 
     (x_train, y_train), (x_test, y_test) = data.load_dataset(settings.dataset, settings.data_dir)
+    if settings.validation_examples:
+        k = settings.validation_examples
+        if k >= len(x_train):
+            raise ValueError(f"validation_examples={k} leaves no training examples.")
+        (x_train, y_train), (x_test, y_test) = (
+            (x_train[:-k], y_train[:-k]),
+            (x_train[-k:], y_train[-k:]),
+        )
+    if settings.model == "scatter_linear":
+        return scatter_features(settings, x_train, x_test, y_train, y_test)
     return (x_train[..., None], y_train), (x_test[..., None], y_test)
+
+
+def scatter_features(
+    settings: TrainSettings, x_train: Any, x_eval: Any, y_train: Any, y_eval: Any
+) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Scattering features (J = 2, L = 8) with per-example group normalization (27 groups).
+
+    A fixed per-example map (no privacy cost); computed once and kept in `feature_cache` (an
+    .npz path) when one is given, keyed by the images it was computed from.
+    """
+    from dpcore_experiments import scatternet
+
+    key = np.array([len(x_train), len(x_eval), float(np.sum(x_train[:64])), float(np.sum(x_eval))])
+    cache = settings.feature_cache
+    if cache and os.path.exists(cache):
+        stored = np.load(cache)
+        if np.array_equal(stored["key"], key):
+            return (stored["x_train"], y_train), (stored["x_eval"], y_eval)
+
+    def progress(done: int, total: int) -> None:
+        if settings.verbose:
+            print(f"  scattering features: {done}/{total}", flush=True)
+
+    features = []
+    for images in (x_train, x_eval):
+        f = scatternet.scattering(np.asarray(images, np.float32), J=2, L=8, progress=progress)
+        f = scatternet.group_normalize(f, groups=f.shape[1] // 3)
+        features.append(f.reshape(len(f), -1))
+    if cache:
+        np.savez(cache, key=key, x_train=features[0], x_eval=features[1])
+    return (features[0], y_train), (features[1], y_eval)
 
 
 USERS_SEED = 0  # the synthetic user assignment is part of the dataset: fixed, not --seed
@@ -173,7 +222,8 @@ def user_summary(settings: TrainSettings, users: np.ndarray) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------- model
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10) -> Any:
-    """`mlp` (one tanh hidden layer) or `cnn`, the end-to-end tanh CNN of Tramèr & Boneh.
+    """`mlp` (one tanh hidden layer), `cnn` (the end-to-end tanh CNN of Tramèr & Boneh) or
+    `scatter_linear` (their linear model on scattering features, see `scatter_features`).
 
     The CNN is conv16 8x8 stride 2 -> tanh -> maxpool 2 stride 1 -> conv32 4x4 stride 2 ->
     tanh -> maxpool 2 stride 1 -> dense32 -> tanh -> dense10 (logits). The first convolution
@@ -187,6 +237,11 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10) 
         layers = zoo.tanh_mlp_layers(keras, input_shape, num_classes, hidden=128)
     elif name == "cnn":
         layers = zoo.cnn_layers(keras, input_shape, num_classes)
+    elif name == "scatter_linear":  # a linear classifier on scattering features
+        layers = [
+            keras.Input(input_shape),
+            keras.layers.Dense(num_classes, kernel_initializer="zeros"),
+        ]
     else:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
     return keras.Sequential(layers, name=name)
@@ -386,7 +441,14 @@ def _evaluate(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int) -> tupl
 
 
 # Settings that may differ between an interrupted run and its --resume continuation.
-_RESUME_FREE = ("resume", "stop_after_epochs", "verbose", "output_dir", "data_dir")
+_RESUME_FREE = (
+    "resume",
+    "stop_after_epochs",
+    "verbose",
+    "output_dir",
+    "data_dir",
+    "feature_cache",
+)
 
 
 def _check_same_run(previous: dict[str, Any], current: dict[str, Any]) -> None:
@@ -460,6 +522,11 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
             "num_train": int(x_train.shape[0]),
             "num_test": int(x_test.shape[0]),
             "input_shape": list(x_train.shape[1:]),
+            "evaluated_on": (
+                f"validation: the last {settings.validation_examples} training examples"
+                if settings.validation_examples
+                else "test"
+            ),
         },
         "versions": _versions(),
         "epochs": [],
@@ -617,6 +684,15 @@ def _define_flags() -> None:
         "stop_after_epochs", None, "End this invocation after N epochs (continue with --resume)."
     )
     flags.DEFINE_integer("verbose", defaults.verbose, "0: quiet, 1: one line per epoch.")
+    flags.DEFINE_integer(
+        "validation_examples",
+        0,
+        "Hold out the last N training examples and report accuracy on them instead of the test "
+        "set (for tuning; the 'test_accuracy' fields then hold validation accuracy).",
+    )
+    flags.DEFINE_string(
+        "feature_cache", None, "scatter_linear: .npz file to keep the scattering features in."
+    )
 
 
 def settings_from_flags() -> TrainSettings:
@@ -646,6 +722,8 @@ def settings_from_flags() -> TrainSettings:
         resume=f.resume,
         stop_after_epochs=f.stop_after_epochs,
         verbose=f.verbose,
+        validation_examples=f.validation_examples,
+        feature_cache=f.feature_cache,
     )
 
 

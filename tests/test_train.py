@@ -271,27 +271,3 @@ def test_scatter_linear_on_a_validation_split_with_a_feature_cache(tmp_path):
     fresh = train.load_data(dataclasses.replace(settings, feature_cache=None))
     for (a, _), (b, _) in zip(again, fresh):
         np.testing.assert_array_equal(a, b)
-
-
-def test_scatter_linear_on_a_validation_split_with_a_feature_cache(tmp_path):
-    cache = str(tmp_path / "features.npz")
-    settings = _settings(
-        tmp_path / "run",
-        model="scatter_linear",
-        epochs=2,
-        batch_size=256,
-        learning_rate=2.0,
-        l2_norm_clip=0.1,
-        validation_examples=300,
-        feature_cache=cache,
-    )
-    results = train.run_training(settings)
-    assert results["dataset"]["input_shape"] == [81 * 2 * 2]  # 8x8 digits: 2x2 positions
-    assert results["dataset"]["num_train"] == 1438 - 300 and results["dataset"]["num_test"] == 300
-    assert results["dataset"]["evaluated_on"].startswith("validation")
-    assert results["test_accuracy"] > 0.5  # a linear model on scattering features learns digits
-    assert os.path.exists(cache)
-    again = train.load_data(settings)  # served from the cache, identical
-    fresh = train.load_data(dataclasses.replace(settings, feature_cache=None))
-    for (a, _), (b, _) in zip(again, fresh):
-        np.testing.assert_array_equal(a, b)
