@@ -20,6 +20,14 @@ Methods (dpcore side), the path users run (ratios to the plain Keras ``fit`` row
                     and optimizer, default ``ExecutionOptions``; timed like ``nonprivate``.
   dp_train_step     ``dpcore.dp_train_step`` with a ``DPOptimizer`` inside the user's own
                     ``tf.function`` (the custom-training-loop path).
+  make_private_fit_aug4
+                    ``make_private(..., augmentations=4)``: each example's 4 views form one
+                    privacy unit, clipped once. The batch size counts rows (4 views per
+                    example), so the step takes batch / 4 examples and processes as many rows
+                    as the ``nonprivate`` row of that batch size, its baseline.
+  make_private_fit_user8
+                    ``make_private(..., options=ExecutionOptions(group_size=8))``: user-level
+                    units of 8 rows, batch / 8 units per step: the same rows as the baseline.
 
 Engine-level breakdown (a hand-written step around one engine call; ratios to
 ``nonprivate_step`` when that row is run, else to ``nonprivate``):
@@ -52,10 +60,13 @@ from absl import app, flags
 from dpcore_experiments import common, zoo
 
 MODELS = zoo.BENCH_MODELS
-USER_METHODS = ("nonprivate", "make_private_fit", "dp_train_step")
+# make_private(...).fit with privacy units of several rows: (augmentations, group_size). Their
+# batch size counts rows, like the nonprivate Keras fit row they are compared with.
+UNIT_FIT_METHODS = {"make_private_fit_aug4": (4, 1), "make_private_fit_user8": (1, 8)}
+USER_METHODS = ("nonprivate", "make_private_fit", "dp_train_step", *UNIT_FIT_METHODS)
 ENGINE_METHODS = ("nonprivate_step", "loop", "jacobian", "vectorized", "fast")
 METHODS = USER_METHODS + ENGINE_METHODS
-FIT_METHODS = ("nonprivate", "make_private_fit")
+FIT_METHODS = ("nonprivate", "make_private_fit", *UNIT_FIT_METHODS)
 SLOW_METHODS = ("loop", "jacobian")
 PEER_METHODS = ("nonprivate", "dpkeras", "dpsequential", "vectorized")
 RESULT_PREFIX = "BENCH_RESULT "
@@ -244,18 +255,37 @@ def make_fit_model(
     if method == "nonprivate":
         model.compile(optimizer=optimizer, loss=loss)
         return model
-    if method != "make_private_fit":
+    if method not in FIT_METHODS:
         raise ValueError(f"method={method!r}; expected one of {FIT_METHODS}.")
     import dpcore
+    from dpcore.options import ExecutionOptions
 
+    augmentations, group_size = UNIT_FIT_METHODS.get(method, (1, 1))
+    rows_per_unit = augmentations * group_size
+    if batch_size % rows_per_unit:
+        raise ValueError(f"{method} needs a batch size (rows) divisible by {rows_per_unit}.")
     return dpcore.make_private(
         model,
         optimizer=optimizer,
         loss=loss,
         l2_norm_clip=l2_norm_clip,
         noise_multiplier=noise_multiplier,
-        expected_batch_size=batch_size,
+        expected_batch_size=batch_size // rows_per_unit,
+        augmentations=augmentations,
+        options=ExecutionOptions(group_size=group_size),
     )
+
+
+def fit_batch(method: str, x: Any, y: Any) -> tuple[Any, Any]:
+    """What a fit row feeds each step, given ``batch_size`` rows ``(x, y)``: all of them, or the
+    first ``batch_size / 4`` examples for ``make_private_fit_aug4`` (its step makes the views)."""
+    import tensorflow as tf
+
+    augmentations, _ = UNIT_FIT_METHODS.get(method, (1, 1))
+    if augmentations == 1:
+        return x, y
+    examples = int(tf.nest.flatten(y)[0].shape[0]) // augmentations
+    return tf.nest.map_structure(lambda t: t[:examples], (x, y))
 
 
 def make_train_step(
@@ -309,7 +339,7 @@ def make_train_step(
         )
 
         def fit_step(x, y):
-            ds = tf.data.Dataset.from_tensors((x, y))
+            ds = tf.data.Dataset.from_tensors(fit_batch(method, x, y))
             return fit_model.fit(ds, epochs=1, verbose=0, shuffle=False).history["loss"][-1]
 
         fit_step.fit_model = fit_model  # measure() times its steps inside one fit
@@ -465,9 +495,10 @@ def measure(
         # make_train_step compiled the model (or its DPModel) for this fit; time its steps
         # inside fit itself, with the same batch each step.
         fit_model = step.fit_model
+        fit_x, fit_y = fit_batch(method, x, y)
 
         def run_steps(n: int) -> tuple[list[float], float]:
-            return _timed_fit(fit_model, x, y, n)
+            return _timed_fit(fit_model, fit_x, fit_y, n)
 
     else:
 

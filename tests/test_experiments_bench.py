@@ -336,3 +336,55 @@ def test_interleaved_step_times_both_steps_of_a_checkout():
     assert set(row["median_ms"]) == {"nonprivate_step", "fast"}
     assert all(ms > 0 for ms in row["median_ms"].values())
     assert row["ratio"] == row["median_ms"]["fast"] / row["median_ms"]["nonprivate_step"]
+
+
+@pytest.mark.parametrize("method", list(benchmark.UNIT_FIT_METHODS))
+def test_unit_fit_rows_clip_each_unit_once_over_the_same_rows(method):
+    # sigma 0, lr 1: a 16-row step of make_private_fit_aug4 (4 examples x 4 identical views) or
+    # make_private_fit_user8 (2 units of 8 rows) moves the weights by the per-unit clipped sum
+    # over the expected number of units, from the slow per-unit reference.
+    from dpcore.testing import reference_unit_gradients
+
+    rows = 16
+    augmentations, group_size = benchmark.UNIT_FIT_METHODS[method]
+    x, y = benchmark.make_batch("mlp", rows, seed=1)
+    fx, fy = (np.asarray(t) for t in benchmark.fit_batch(method, tf.constant(x), tf.constant(y)))
+    assert len(fy) == rows // augmentations
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    ref = reference_unit_gradients(
+        benchmark.build_model("mlp", seed=0),
+        loss,
+        np.repeat(fx, augmentations, axis=0),
+        np.repeat(fy, augmentations, axis=0),
+        group_size=augmentations * group_size,
+        group_reduction="mean" if augmentations > 1 else "sum",
+        training=True,
+    )
+    units = rows // (augmentations * group_size)
+    norms = np.sqrt(sum(np.sum(g.reshape(units, -1) ** 2, axis=1) for g in ref))
+    c = float(np.median(norms))
+    assert norms.min() < c < norms.max()
+    # The units are clipped with the engine's certified bounds of their norms: check those,
+    # then weight the reference gradients with the clip factors of the bounds.
+    options = ExecutionOptions(group_size=augmentations * group_size)
+    if augmentations > 1:
+        options = options.replace(group_reduction="mean")
+    bounds = np.asarray(
+        dpcore.per_example_norms(
+            benchmark.build_model("mlp", seed=0),
+            loss,
+            np.repeat(fx, augmentations, axis=0),
+            np.repeat(fy, augmentations, axis=0),
+            options=options,
+        ),
+        np.float64,
+    )
+    assert_sq_norm_bound(bounds**2, norms**2)
+    want = _clipped_mean(ref, bounds, l2_norm_clip=c)
+    got = _updated_weights("mlp", method, x, y, l2_norm_clip=c)
+    # Float32 round-off of the 16-row sums, relative to the update's overall scale.
+    scale = max(np.abs(e).max() for e in want)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * scale, err_msg=method)
+    row = benchmark.measure("mlp", method, rows, steps=2, warmup=1)
+    assert row["median_ms"] > 0 and np.isfinite(row["final_loss"])
