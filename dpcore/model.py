@@ -28,6 +28,9 @@ Contract:
   model's, and the privacy callbacks check it against their ``DPConfig``. Under
   ``ExecutionOptions(group_size>1)`` sampler batches without a spec are refused (their chunks
   might split a unit between two micro-batches of a step).
+- Under a multi-worker strategy, or with a :class:`dpcore.backup.StepBackup` among the
+  callbacks (one replica per worker), ``fit`` runs dpcore's own epoch loop; with a backup the
+  epoch and step to resume at come from the restored ``dp_steps`` and ``steps_per_epoch``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import keras
 import tensorflow as tf
 
 from dpcore import distribute, sampling, validation
+from dpcore.backup import StepBackup
 from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
@@ -99,6 +103,14 @@ def _validation_rows(data: Any) -> tuple[Any, Any, Any]:
     if isinstance(data, (tuple, list)):
         return (*data, None, None)[:3]
     return data, None, None
+
+
+def _step_backup(callbacks: Any) -> StepBackup | None:
+    """The ``StepBackup`` among ``fit``'s callbacks (at most one), or None."""
+    found = [c for c in callbacks or [] if isinstance(c, StepBackup)]
+    if len(found) > 1:
+        raise ValueError("fit takes at most one dpcore.backup.StepBackup.")
+    return found[0] if found else None
 
 
 def _rows(structure: Any, keep: tf.Tensor) -> Any:
@@ -236,7 +248,9 @@ class DPModel(keras.Model):
           never joins a step of the previous one, so each noised update sums one sample.
         """
         arguments = _bind(super().fit, x, y, args, kwargs)
-        if distribute.worker_info(self.distribute_strategy).num_workers > 1:
+        if distribute.worker_info(self.distribute_strategy).num_workers > 1 or _step_backup(
+            arguments.get("callbacks")
+        ):
             return self._fit_workers(**arguments)
         x = arguments["x"]
         self.sampling_spec = sampling.sampling_spec(x)
@@ -431,6 +445,13 @@ class DPModel(keras.Model):
         per call), with Keras's callbacks, ``History`` and progress bar (on the chief only).
         Epoch logs and validation are the metrics summed over every worker's real rows. A stop
         asked by a callback on any worker stops every worker after the same step.
+
+        With ``steps_per_epoch`` one iterator runs through the epochs (Keras's rule), and
+        running out of data ends the training. With a :class:`~dpcore.backup.StepBackup` (on
+        one worker too) ``steps_per_epoch`` is required, the backup's callbacks run first, and
+        the epoch and the step within it come from the optimizer's ``dp_steps`` after the
+        backup restored it: a run restarted after step ``t`` resumes in epoch
+        ``t // steps_per_epoch`` at its step ``t % steps_per_epoch``.
         """
         given = {k: v for k, v in unsupported.items() if v not in (None, 0.0)}
         if given:
@@ -440,9 +461,30 @@ class DPModel(keras.Model):
             )
         strategy = self.distribute_strategy
         info = distribute.worker_info(strategy)
+        backup = _step_backup(callbacks)
+        if backup is not None:
+            if steps_per_epoch is None:
+                raise ValueError(
+                    "fit with a StepBackup needs steps_per_epoch: a restarted run finds its "
+                    "epoch from the logical steps it applied."
+                )
+            if int(initial_epoch):
+                raise ValueError(
+                    "fit with a StepBackup takes its epoch from the restored state; do not pass "
+                    f"initial_epoch={initial_epoch}."
+                )
+            if strategy.num_replicas_in_sync != info.num_workers:
+                raise ValueError(
+                    f"fit with a StepBackup runs one replica per worker; this strategy has "
+                    f"{strategy.num_replicas_in_sync} replicas on {info.num_workers} worker(s)."
+                )
+            callbacks = [backup, *(c for c in callbacks if c is not backup)]
         distribute.check_sharding(x, strategy)
-        if sampling.as_sampled_batch(x.element_spec) is None:
-            raise ValueError("a multi-worker fit needs the sampler's (x, y, mask, step_end).")
+        if not isinstance(x, tf.data.Dataset) or sampling.as_sampled_batch(x.element_spec) is None:
+            raise ValueError(
+                "a multi-worker fit, or one with a StepBackup, needs the sampler's "
+                "(x, y, mask, step_end) dataset."
+            )
         self.sampling_spec = sampling.sampling_spec(x)
         self.data_feed = "masked_batches"
         self._start_pass_at_step_boundary()
@@ -467,15 +509,23 @@ class DPModel(keras.Model):
             with strategy.scope():
                 train = self._worker_function("train")
                 callback_list.on_train_begin()
-                for epoch in range(int(initial_epoch), int(epochs)):
+                first, skip = int(initial_epoch), 0
+                if backup is not None:  # restored by now
+                    applied = int(keras.ops.convert_to_numpy(self.optimizer.dp_steps))
+                    first, skip = divmod(applied, int(steps_per_epoch))  # type: ignore[arg-type]
+                iterator, ran_out = None, False
+                for epoch in range(first, int(epochs)):
                     self.reset_metrics()
                     callback_list.on_epoch_begin(epoch)
-                    iterator, step = iter(data), 0
+                    if iterator is None or steps_per_epoch is None:
+                        iterator = iter(data)
+                    step = skip if epoch == first else 0
                     while steps_per_epoch is None or step < steps_per_epoch:
                         callback_list.on_train_batch_begin(step)
                         try:
                             logs = train(iterator)
                         except (StopIteration, tf.errors.OutOfRangeError):
+                            ran_out = steps_per_epoch is not None
                             break
                         callback_list.on_train_batch_end(step, logs)
                         step += 1
@@ -489,7 +539,16 @@ class DPModel(keras.Model):
                         )
                         epoch_logs.update({f"val_{k}": v for k, v in val.items()})
                     callback_list.on_epoch_end(epoch, epoch_logs)
-                    if self.stop_training:
+                    if ran_out:
+                        warnings.warn(
+                            f"dpcore: the data ran out in epoch {epoch} before its "
+                            f"steps_per_epoch={steps_per_epoch} steps; training stopped. Feed "
+                            "epochs * steps_per_epoch logical steps (minus those already "
+                            "applied when resuming).",
+                            UserWarning,
+                            stacklevel=3,
+                        )
+                    if self.stop_training or ran_out:
                         break
                 callback_list.on_train_end(epoch_logs)
         finally:

@@ -7,6 +7,7 @@ single-process run of the same global sample (computed here too, outside the str
 
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,6 +24,7 @@ import numpy as np  # noqa: E402
 
 import dpcore  # noqa: E402
 from dpcore import distribute, sampling  # noqa: E402
+from dpcore.backup import StepBackup  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 N, Q, STEPS, SEED = 48, 0.25, 5, 7
@@ -243,6 +245,87 @@ def fit(out):
         json.dump(result, f)
 
 
+class _KillAfter(keras.callbacks.Callback):
+    """Preemption: SIGKILLs this process after logical step `steps` (once: leaves `marker`)."""
+
+    def __init__(self, steps, marker):
+        super().__init__()
+        self.steps, self.marker = steps, marker
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.dp_steps.numpy()) == self.steps:
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+SPE, EPOCHS, KILL_AT = 4, 3, 6  # the kill falls inside epoch 1
+
+
+def preempt(out):
+    """One start of a run that worker 1 kills after step KILL_AT the first time; a restart of
+    the cluster resumes it from the chief's StepBackup folder."""
+    info = distribute.worker_info(STRATEGY)
+    x, y = _data()
+    total = SPE * EPOCHS
+    dp = _dp_model(STRATEGY)  # noise seed: OS entropy, replaced by the restored one
+    config = dpcore.DPConfig(
+        l2_norm_clip=0.5,
+        noise_multiplier=0.5,
+        expected_batch_size=Q * N,
+        num_examples=N,
+        steps=total,
+    )
+    eps = dpcore.callbacks.EpsilonCallback(
+        config, ledger_path=distribute.worker_path(os.path.join(out, "ledger.json"), STRATEGY)
+    )
+    backup = StepBackup(os.path.join(out, "backup"), strategy=STRATEGY, epsilon=eps)
+    start = backup.resume_step
+    shard = sampling.sharded_poisson_batches(
+        x,
+        y,
+        sampling_prob=Q,
+        steps=total - start,
+        start_step=start,
+        seed=backup.sampling_seed,
+        num_workers=info.num_workers,
+        worker_index=info.worker_index,
+    )
+    callbacks = [eps, backup]
+    marker = os.path.join(out, "killed")
+    if not backup.resumed:
+        dp.optimizer.build(dp.model.trainable_variables)
+        first = {"noise_seed": [int(s) for s in dp.optimizer.noise_seed.numpy()]}
+        with open(distribute.worker_path(os.path.join(out, "first.json"), STRATEGY), "w") as f:
+            json.dump(first, f)
+        if info.worker_index == 1 and not os.path.exists(marker):
+            callbacks.append(_KillAfter(KILL_AT, marker))
+    history = dp.fit(shard, epochs=EPOCHS, steps_per_epoch=SPE, callbacks=callbacks, verbose=0)
+    noise_seed = [int(s) for s in dp.optimizer.noise_seed.numpy()]
+    # The uninterrupted run: one process, the same global sample, noise seed and steps.
+    single = _dp_model(tf.distribute.get_strategy(), noise_seed)
+    single_eps = dpcore.callbacks.EpsilonCallback(config)
+    single.fit(
+        sampling.poisson_batches(x, y, sampling_prob=Q, steps=total, seed=backup.sampling_seed),
+        callbacks=[single_eps],
+        verbose=0,
+    )
+    result = {
+        "resume_step": start,
+        "resumed": backup.resumed,
+        "epochs_run": len(history.history["loss"]),
+        "dp_steps": int(dp.optimizer.dp_steps.numpy()),
+        "noise_seed": noise_seed,
+        "weights": _flat([v.numpy() for v in dp.model.trainable_variables]).tolist(),
+        "single_weights": _flat([v.numpy() for v in single.model.trainable_variables]).tolist(),
+        "ledger_steps": eps.ledger.steps,
+        "epsilon": eps.epsilon(),
+        "single_ledger_steps": single_eps.ledger.steps,
+        "single_epsilon": single_eps.epsilon(),
+    }
+    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]
-    {"dp_step": dp_step, "fit": fit}[scenario](out)
+    {"dp_step": dp_step, "fit": fit, "preempt": preempt}[scenario](out)

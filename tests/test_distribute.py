@@ -99,3 +99,35 @@ def test_fit_and_evaluate_on_two_workers_match_one_process(tmp_path):
     assert (tmp_path / "written_by.txt").read_text() == "0\n"
     assert (tmp_path / "ckpt.weights.h5").exists()
     assert json.loads((tmp_path / "ledger.json").read_text())
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_worker_then_restart_continues_the_run(tmp_path):
+    """Preemption: worker 1 SIGKILLs itself after logical step 6 (mid-epoch), the launcher
+    kills the chief; relaunched, both resume from the chief's StepBackup folder and end with
+    the steps, ε and weights of an uninterrupted run (σ > 0: the same noise draws)."""
+    first = launch(
+        [sys.executable, WORKER, "preempt", str(tmp_path)],
+        workers=2,
+        timeout_s=300,
+        log_dir=str(tmp_path / "logs1"),
+    )
+    assert first[1].returncode == -9 and not first[1].killed, Path(first[1].log_path).read_text()
+    assert first[0].killed
+    assert not (tmp_path / "worker0.json").exists()
+    noise_seed = json.loads((tmp_path / "first.json").read_text())["noise_seed"]
+    w0, w1 = _run_workers("preempt", tmp_path)
+    for w in (w0, w1):
+        assert w["resumed"]
+        # The chief's last state: after step 6, or step 5 when the launcher's kill landed
+        # while it was writing step 6's; either way inside epoch 1 (steps 4..7).
+        assert w["resume_step"] in (5, 6)
+        assert w["epochs_run"] == 2  # the rest of epoch 1, then epoch 2
+        assert w["dp_steps"] == 12
+        assert w["noise_seed"] == noise_seed  # restored, not the restart's own entropy
+        assert w["ledger_steps"] == w["single_ledger_steps"] == 12
+        assert w["epsilon"] == w["single_epsilon"]
+        np.testing.assert_allclose(w["weights"], w["single_weights"], rtol=0, atol=1e-5)
+    assert w0["weights"] == w1["weights"] and w0["resume_step"] == w1["resume_step"]
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert ledger["ledger"]["steps"] == 12
