@@ -652,7 +652,10 @@ def poisson_batches(
     rule (a sample larger than P becomes several chunks of the same step; nothing is dropped).
 
     Args:
-      x: features: a numpy array / tensor or a (nested) structure of them, leading axis N.
+      x: features: a numpy array / tensor or a (nested) structure of them, leading axis N. The
+        dataset holds a tensor copy of numpy input; when calling this repeatedly (a sampler per
+        epoch), pass tensors (`tf.convert_to_tensor(x)` once) so that every call shares one
+        copy: Keras frees a finished fit's dataset only when Python's cycle collector runs.
       y: labels, same convention as `x`.
       sampling_prob: per-example inclusion probability q in (0, 1].
       steps: number of logical steps to emit (>= 0).
