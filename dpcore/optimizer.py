@@ -643,8 +643,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 a.assign(t)
             self.micro_steps.assign_add(1)
 
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas == 1 or tf.__internal__.distribute.strategy_supports_no_merge_call():
+        # Under any strategy but the default one the inner optimizer's all-reduce may need a
+        # merge call, one replica included (a one-worker MultiWorkerMirroredStrategy).
+        if (
+            not tf.distribute.has_strategy()
+            or tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
             tf.cond(end, lambda: finish(totals), lambda: accumulate(totals))
             return
 
