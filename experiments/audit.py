@@ -219,15 +219,19 @@ def _canary_losses(model: Any, canaries: Any) -> np.ndarray:
 
 def _train(settings: AuditSettings, dp_model: Any, data: dict[str, Any], plan: SamplingPlan) -> int:
     """Trains for the plan's Poisson-sampled logical steps; returns the steps taken."""
+    import tensorflow as tf
+
     from dpcore import sampling
 
     steps_per_epoch = plan.steps / settings.epochs  # for chunking and progress only
     done, start = 0, time.perf_counter()
+    # One tensor copy shared by every chunk's sampler (see `poisson_batches`).
+    x_feed, y_feed = tf.convert_to_tensor(data["x_train"]), tf.convert_to_tensor(data["y_train"])
     while done < plan.steps:
         chunk = min(max(1, math.ceil(settings.log_every * steps_per_epoch)), plan.steps - done)
         batches = sampling.poisson_batches(
-            data["x_train"],
-            data["y_train"],
+            x_feed,
+            y_feed,
             sampling_prob=plan.sampling_prob,
             steps=chunk,
             seed=settings.seed,
