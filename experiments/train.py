@@ -15,6 +15,12 @@ Contract:
     up to `--max_rows_per_user` rows each, every user's rows are clipped together
     (`ExecutionOptions(group_size=...)`), and `--batch_size`, N and ε count users: ε is per
     user (`results.json` says so under `privacy.privacy_unit` and `users`).
+  * With `TF_CONFIG` set the process is one worker of a `MultiWorkerMirroredStrategy` cluster
+    (e.g. `python -m dpcore_experiments.launch_local --workers=2 -- python -m
+    dpcore_experiments.train ...`): every worker Poisson-samples its shard of the one global
+    sample (`sharded_poisson_batches`, seed from `--seed` or OS entropy broadcast from the chief),
+    the clipped sums are all-reduced and noised once per step, and only the chief keeps
+    results.json and the checkpoint. DP, Poisson, example-level runs only; no `--resume`.
   * `<output_dir>/results.json` holds the full settings, the DpEvent that ran, ε by PLD and
     RDP, per-epoch train/test accuracy and loss, wall time per epoch, and the dp-accounting and
     TensorFlow versions; `<output_dir>/checkpoint` holds the model and optimizer state (the
@@ -30,6 +36,7 @@ Example (the Fashion-MNIST reproduction of Tramèr & Boneh's end-to-end CNN at �
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -359,8 +366,12 @@ def train_batches(
     y: Any,
     epoch: int,
     users: np.ndarray | None = None,
+    shard: tuple[int, int, int] | None = None,
 ) -> Any:
     """One epoch of `(x, y, mask, step_end)` elements, continuing the run's step numbering.
+
+    With `shard` = (workers, this worker's index, shared seed), this worker's share of the
+    cluster's Poisson sample (`dpcore.sampling.sharded_poisson_batches`).
 
     With `users` (``--privacy_unit=user``) each step Poisson-samples users, each with up to
     ``max_rows_per_user`` of their rows (`dpcore.units.unit_batches`).
@@ -378,6 +389,18 @@ def train_batches(
             seed=settings.seed,
             start_step=plan.epoch_start(epoch),
         )
+    if shard is not None:
+        workers, index, seed = shard
+        return sampling.sharded_poisson_batches(
+            x,
+            y,
+            sampling_prob=plan.sampling_prob,
+            steps=plan.epoch_steps(epoch),
+            num_workers=workers,
+            worker_index=index,
+            seed=seed,
+            start_step=plan.epoch_start(epoch),
+        )
     if settings.sampling == "poisson":
         return sampling.poisson_batches(
             x,
@@ -392,6 +415,25 @@ def train_batches(
 
 
 # ----------------------------------------------------------------------------------- training
+def cluster_strategy(settings: TrainSettings) -> Any:
+    """`MultiWorkerMirroredStrategy` when `TF_CONFIG` is set (this process is one worker of
+    that cluster, e.g. under `dpcore_experiments.launch_local`), else None. Call it before any
+    other TensorFlow operation of the process."""
+    if not os.environ.get("TF_CONFIG"):
+        return None
+    if not settings.dp or settings.sampling != "poisson" or settings.privacy_unit != "example":
+        raise ValueError(
+            "TF_CONFIG is set: a cluster run trains DP on Poisson-sampled examples (sharded "
+            "across workers); --nodp, --sampling=shuffle and --privacy_unit=user are for one "
+            "process."
+        )
+    if settings.resume:
+        raise ValueError("--resume is for one process (the checkpoint is the chief's).")
+    import tensorflow as tf
+
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
 def _versions() -> dict[str, str]:
     import keras
     import tensorflow as tf
@@ -498,6 +540,8 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     """
     import tensorflow as tf
 
+    strategy = cluster_strategy(settings)  # before any other TensorFlow operation
+    from dpcore import distribute
     from dpcore import sampling as _sampling  # noqa: F401  (fail early if dpcore is broken)
 
     (x_train, y_train), (x_test, y_test) = load_data(settings)
@@ -510,9 +554,15 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     if settings.seed is not None:
         tf.keras.utils.set_random_seed(settings.seed)
 
-    model = build_model(settings.model, tuple(x_train.shape[1:]))
-    train_model, optimizer = _build_training_model(settings, plan, model)
-    optimizer.build(model.trainable_variables)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build_model(settings.model, tuple(x_train.shape[1:]))
+        train_model, optimizer = _build_training_model(settings, plan, model)
+        optimizer.build(model.trainable_variables)
+    shard = None
+    if strategy is not None:  # every worker samples its shard with the chief's seed
+        info = distribute.worker_info(strategy)
+        seed = settings.seed if settings.seed is not None else distribute.shared_seed(strategy)
+        shard = (info.num_workers, info.worker_index, seed)
 
     results: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
@@ -539,14 +589,17 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     if settings.output_dir:
         os.makedirs(settings.output_dir, exist_ok=True)
         results_path = os.path.join(settings.output_dir, RESULTS_FILE)
+        if strategy is not None:  # every worker writes; the chief's copy is the one kept
+            results_path = distribute.worker_path(results_path, strategy)
         # Model variables are listed explicitly: a Keras 3 model object is not tracked by
         # tf.train.Checkpoint, its variables are.
         checkpoint = tf.train.Checkpoint(
             model_variables=list(model.variables), optimizer=optimizer, epoch=epoch_var
         )
-        manager = tf.train.CheckpointManager(
-            checkpoint, os.path.join(settings.output_dir, CHECKPOINT_DIR), max_to_keep=1
-        )
+        checkpoint_dir = os.path.join(settings.output_dir, CHECKPOINT_DIR)
+        if strategy is not None:
+            checkpoint_dir = distribute.worker_path(checkpoint_dir, strategy)
+        manager = tf.train.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=1)
 
     epsilon_log = None  # the DP run's ε per epoch, from the steps the optimizer applied
     if settings.dp:
@@ -581,7 +634,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     # datasets (on Fashion-MNIST scattering features, about 1 GB per epoch).
     x_feed, y_feed = tf.convert_to_tensor(x_train), tf.convert_to_tensor(y_train)
     for epoch in range(start_epoch, end_epoch):
-        batches = train_batches(settings, plan, x_feed, y_feed, epoch, users)
+        batches = train_batches(settings, plan, x_feed, y_feed, epoch, users, shard)
         if not settings.dp:
             batches = baseline_batches(batches, expected_batch_size=plan.expected_batch_size)
         start = time.perf_counter()
