@@ -40,9 +40,20 @@ Engine-level breakdown (a hand-written step around one engine call; ratios to
   vectorized  ``dpcore.engine.summarize(method="vectorized")``.
   fast        ``dpcore.engine.summarize(method="fast")`` (ghost norms + book-keeping).
 
+KerasHub models (dpcore only, opt-in: not in the default ``--models``, no peer rows):
+``bert``, ``gpt2`` (2 layers, hidden 256, T = 128, vocabulary 8192), ``bert_lora``,
+``gpt2_lora`` (the same with rank-8 LoRA) and ``gpt2_small`` (12 layers, hidden 768, vocabulary
+50257, T = 256); see :mod:`dpcore_experiments.hub_models`. Both sides of a ratio compile alike:
+SGD, the same loss, no metrics (a KerasHub task compiles itself with Adam and an accuracy
+metric when it is built, and recompiling with ``metrics=None`` keeps that metric: the plain side
+passes empty lists) and ``jit_compile=False`` (the ``DPModel`` default; plain Keras' ``"auto"``
+would turn XLA on for the non-private side alone on a GPU).
+
 Usage:
   python experiments/benchmark.py --models=mlp,cnn --methods=nonprivate,vectorized,fast \
       --batch_sizes=64,256 --steps=10 --json=/tmp/bench.json
+  python experiments/benchmark.py --models=bert,gpt2,bert_lora,gpt2_lora \
+      --methods=nonprivate,make_private_fit --batch_sizes=32 --steps=5
 """
 
 from __future__ import annotations
@@ -57,9 +68,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
-from dpcore_experiments import common, zoo
+from dpcore_experiments import common, hub_models, zoo
 
 MODELS = zoo.BENCH_MODELS
+HUB_MODELS = hub_models.BENCH_MODELS  # dpcore-only, opt-in (never in the default --models)
 # make_private(...).fit with privacy units of several rows: (augmentations, group_size). Their
 # batch size counts rows, like the nonprivate Keras fit row they are compared with.
 UNIT_FIT_METHODS = {"make_private_fit_aug4": (4, 1), "make_private_fit_user8": (1, 8)}
@@ -80,7 +92,9 @@ def _define_flags() -> None:
     Keeping flag definitions out of import time lets the experiment modules be imported
     together (tests, other binaries) without duplicate-flag errors.
     """
-    flags.DEFINE_list("models", list(MODELS), f"Models, from {MODELS}.")
+    flags.DEFINE_list(
+        "models", list(MODELS), f"Models, from {MODELS}, or the opt-in KerasHub {HUB_MODELS}."
+    )
     flags.DEFINE_list("methods", list(METHODS), f"dpcore methods, from {METHODS}.")
     flags.DEFINE_list("batch_sizes", ["64", "256", "1024"], "Batch sizes.")
     flags.DEFINE_integer("steps", 10, "Timed steps per configuration (the median is reported).")
@@ -128,23 +142,29 @@ def _define_flags() -> None:
 
 
 def build_model(name: str, *, seed: int = 0) -> Any:
-    """The benchmark model of that name (a built Keras 3 model; :mod:`dpcore_experiments.zoo`).
+    """The benchmark model of that name (a built Keras 3 model; :mod:`dpcore_experiments.zoo`,
+    or :mod:`dpcore_experiments.hub_models` for ``HUB_MODELS``).
 
     Args:
-      name: one of ``MODELS``.
+      name: one of ``MODELS`` or ``HUB_MODELS``.
       seed: weight initialization seed.
 
     Returns:
-      A Functional or Sequential Keras model producing logits.
+      A Functional or Sequential Keras model (a KerasHub task for ``HUB_MODELS``) producing
+      logits.
     """
     import keras
 
     keras.utils.set_random_seed(seed)
+    if name in HUB_MODELS:
+        return hub_models.build_bench_model(name)
     return zoo.build_bench_model(keras, name)
 
 
 def make_batch(name: str, batch_size: int, *, seed: int = 0) -> tuple[Any, Any]:
-    """A synthetic batch ``(x, y)`` (numpy) for the model of that name."""
+    """A synthetic batch ``(x, y)`` (numpy; ``x`` a dict for ``HUB_MODELS``) for that model."""
+    if name in HUB_MODELS:
+        return hub_models.make_bench_batch(name, batch_size, seed=seed)
     return zoo.make_bench_batch(name, batch_size, seed=seed)
 
 
@@ -241,8 +261,12 @@ def make_fit_model(
 ) -> Any:
     """The compiled model whose ``fit`` a ``nonprivate`` / ``make_private_fit`` row runs.
 
-    Both compile the same model with SGD and the same loss (no metrics); ``make_private_fit``
-    wraps it with ``dpcore.make_private`` (default :class:`dpcore.ExecutionOptions`).
+    Both compile the same model with SGD and the same loss, no metrics and
+    ``jit_compile=False`` (a KerasHub task compiles itself with default metrics when built, and
+    a later ``compile(metrics=None)`` keeps them; plain Keras' ``"auto"`` would compile with XLA
+    on a GPU, the ``DPModel`` does not);
+    ``make_private_fit`` wraps it with ``dpcore.make_private`` (default
+    :class:`dpcore.ExecutionOptions`).
 
     Privacy:
       ``make_private_fit`` clips and noises every step (benchmark only: synthetic data, no
@@ -253,7 +277,12 @@ def make_fit_model(
     optimizer = keras.optimizers.SGD(learning_rate=learning_rate)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if method == "nonprivate":
-        model.compile(optimizer=optimizer, loss=loss)
+        # Empty lists, not None: recompiling with None keeps the previous compile's metrics, and
+        # a KerasHub task compiles itself on construction (GPT2CausalLM: an accuracy metric,
+        # an argmax over every [B, T, vocab] logit each step).
+        model.compile(
+            optimizer=optimizer, loss=loss, metrics=[], weighted_metrics=[], jit_compile=False
+        )
         return model
     if method not in FIT_METHODS:
         raise ValueError(f"method={method!r}; expected one of {FIT_METHODS}.")
@@ -273,6 +302,7 @@ def make_fit_model(
         expected_batch_size=batch_size // rows_per_unit,
         augmentations=augmentations,
         options=ExecutionOptions(group_size=group_size),
+        jit_compile=False,
     )
 
 
@@ -479,8 +509,7 @@ def measure(
     import tensorflow as tf
 
     model = build_model(model_name)
-    xb, yb = make_batch(model_name, batch_size)
-    x, y = tf.constant(xb), tf.constant(yb)
+    x, y = tf.nest.map_structure(tf.constant, make_batch(model_name, batch_size))
     info: dict = {}
     step = make_train_step(
         model,
@@ -868,8 +897,10 @@ def _common_flags() -> list[str]:
 def run_benchmark() -> list[dict]:
     """Runs every configuration (and the peer's, with ``--peer``); returns rows with ratios."""
     for m in FLAGS.models:
-        if m not in MODELS:
-            raise app.UsageError(f"--models: unknown {m!r}; expected some of {MODELS}.")
+        if m not in MODELS + HUB_MODELS:
+            raise app.UsageError(
+                f"--models: unknown {m!r}; expected some of {MODELS} or {HUB_MODELS}."
+            )
     for m in FLAGS.methods:
         if m not in METHODS:
             raise app.UsageError(f"--methods: unknown {m!r}; expected some of {METHODS}.")
@@ -882,7 +913,7 @@ def run_benchmark() -> list[dict]:
     for model in FLAGS.models:
         for b in batch_sizes:
             jobs += [("dpcore", *c) for c in _rows_plan([model], FLAGS.methods, [b])]
-            if FLAGS.peer:
+            if FLAGS.peer and model not in HUB_MODELS:  # the peer has no KerasHub
                 jobs += [("peer", *c) for c in _rows_plan([model], FLAGS.peer_methods, [b])]
     if FLAGS.peer:
         peer_py = peer_python()
