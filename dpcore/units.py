@@ -197,6 +197,8 @@ def unit_batches(
         raise ValueError(f"unit_ids must hold one id per row ({n}), got shape {ids.shape}.")
     table = unit_table(ids, max_rows_per_unit=max_rows_per_unit, cap_seed=cap_seed)
     q = sampling._check_poisson_args(sampling_prob, steps, start_step)
+    if padded_units is not None and (isinstance(padded_units, bool) or int(padded_units) < 1):
+        raise ValueError(f"padded_units must be a positive integer, got {padded_units!r}.")
     num_units, k = table.num_units, table.max_rows_per_unit
     slots = sampling._padded_size(num_units, q, padded_units)
     rows = slots * k

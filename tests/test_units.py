@@ -79,6 +79,11 @@ def test_unit_table_refuses_bad_input():
         units.unit_table([0.5, 1.5], max_rows_per_unit=2)
     with pytest.raises(ValueError, match="1-D"):
         units.unit_table([[1, 2]], max_rows_per_unit=2)
+    with pytest.raises(ValueError, match="padded_units"):
+        units.unit_batches(
+            np.zeros((2, 1)), np.zeros(2), unit_ids=[1, 2], sampling_prob=0.5, steps=1,
+            max_rows_per_unit=2, padded_units=0,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="one id per row"):
         units.unit_batches(
             np.zeros((3, 1)), np.zeros(3), unit_ids=[1, 2], sampling_prob=0.5, steps=1,
