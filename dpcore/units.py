@@ -134,11 +134,6 @@ def unit_table(unit_ids: Any, *, max_rows_per_unit: int, cap_seed: int | None = 
     return UnitTable(ids=distinct, rows=table, num_rows=counts.astype(np.int64))
 
 
-def _with_zero_row(t: tf.Tensor) -> tf.Tensor:
-    """`t` with one zero row appended (what padding slots gather)."""
-    return tf.concat([t, tf.zeros([1, *t.shape[1:]], t.dtype)], axis=0)
-
-
 def unit_batches(
     x: Any,
     y: Any,
@@ -164,6 +159,8 @@ def unit_batches(
 
     Args:
       x: features: an array / tensor or a (nested) structure of them, leading axis N rows.
+        When building a sampler per epoch, pass tensors (convert once): arrays are copied
+        into a new tensor by every sampler.
       y: labels, same convention.
       unit_ids: one id per row (integers or strings); rows with the same id form a unit.
       sampling_prob: per-unit inclusion probability q in (0, 1].
@@ -202,14 +199,21 @@ def unit_batches(
     num_units, k = table.num_units, table.max_rows_per_unit
     slots = sampling._padded_size(num_units, q, padded_units)
     rows = slots * k
-    xs, ys = (tf.nest.map_structure(_with_zero_row, sampling._to_tensors(t)) for t in (x, y))
-    # Row n of xs / ys is the zero row that empty slots gather.
-    slot_rows = tf.constant(np.where(table.rows < 0, n, table.rows), tf.int64)
+    # Tensors are used as given (numpy arrays are converted once per sampler); padding rows are
+    # zeroed after the gather, so no padded copy of the data is made.
+    xs, ys = sampling._to_tensors(x), sampling._to_tensors(y)
+    slot_rows = tf.constant(np.where(table.rows < 0, n, table.rows), tf.int64)  # n: empty
 
-    def gather(tree: Any, indices: tf.Tensor) -> Any:
-        return tf.nest.map_structure(
-            lambda t: tf.ensure_shape(tf.gather(t, indices), [rows, *t.shape[1:]]), tree
-        )
+    def gather(tree: Any, indices: tf.Tensor, real: tf.Tensor) -> Any:
+        safe = tf.where(real, indices, tf.zeros_like(indices))
+
+        def one(t: tf.Tensor) -> tf.Tensor:
+            rows_of_t = tf.gather(t, safe)
+            keep = tf.reshape(real, [rows] + [1] * (t.shape.rank - 1))
+            kept = tf.where(keep, rows_of_t, tf.zeros_like(rows_of_t))
+            return tf.ensure_shape(kept, [rows, *t.shape[1:]])
+
+        return tf.nest.map_structure(one, tree)
 
     def step_sample(key: tf.Tensor, step: tf.Tensor) -> tf.data.Dataset:
         units = tf.where(sampling._step_coins(key, step, num_units, q))[:, 0]
@@ -222,9 +226,12 @@ def unit_batches(
             filled = tf.gather(slot_rows, sel)  # [real units, K]
             empty = tf.fill([slots - tf.shape(sel)[0], k], tf.constant(n, tf.int64))
             indices = tf.reshape(tf.concat([filled, empty], axis=0), [rows])
-            mask = tf.cast(indices < n, tf.float32)
+            real = indices < n
             return SampledBatch(
-                gather(xs, indices), gather(ys, indices), mask, tf.equal(c, num_chunks - 1)
+                gather(xs, indices, real),
+                gather(ys, indices, real),
+                tf.cast(real, tf.float32),
+                tf.equal(c, num_chunks - 1),
             )
 
         return tf.data.Dataset.range(num_chunks).map(chunk)
