@@ -15,7 +15,10 @@ Trainable layers without a rule (or whose rule declines the instance) fall back 
 per-example gradients of that layer alone, from its recorded inputs and output gradients. Models
 whose graph cannot be replayed (subclassed models) fall back as a whole to the vectorized path with
 a warning saying why. A layer called several times contributes the norm of the *sum* of its
-per-example gradients over all calls. Masked examples have zero loss, zero norms and zero weight.
+per-example gradients over all calls. Masked examples have zero loss, zero norms and zero weight;
+the recorded inputs and output gradients of rows that contribute nothing (padding, zero weight)
+are selected to zero before any rule sees them, so such a row adds exactly zero to every norm and
+sum even where the model is not finite on it (a fully masked average is ``0/0``).
 With privacy units of several rows (``options.group_size = K``) the forward and backward passes
 run on rows as always; each layer's rule (or fallback) then sees unit ``u`` as one example that
 called the layer ``K`` times (:func:`dpcore.rules.base.unit_uses`), so norms and clipped sums are
@@ -38,6 +41,7 @@ from dpcore.engine.summary import (
     to_units,
     unit_mask,
     weighted_loss,
+    zero_rows,
 )
 from dpcore.options import ExecutionOptions, resolve
 from dpcore.rules import default_registry, lookup
@@ -208,8 +212,12 @@ class _Recorder:
         return outputs
 
 
-def _fallback_grads(layer: Any, uses: Sequence[Use], wanted: set[int]) -> list[VariableGrad]:
-    """Per-example gradients of one layer's variables by a vectorized per-example VJP."""
+def _fallback_grads(
+    layer: Any, uses: Sequence[Use], wanted: set[int], live: tf.Tensor
+) -> list[VariableGrad]:
+    """Per-example gradients of one layer's variables by a vectorized per-example VJP; those of
+    the examples where ``live`` is False are selected to zero (padding rows contribute nothing,
+    even where the layer's Jacobian is not finite on their zeroed inputs)."""
     variables = [v for v in graph.trainable_weights(layer) if id(v) in wanted]
 
     def split(structure: Any) -> tuple[list, list, Any]:
@@ -245,7 +253,7 @@ def _fallback_grads(layer: Any, uses: Sequence[Use], wanted: set[int]) -> list[V
         )
         return [tf.convert_to_tensor(g) for g in grads]
 
-    per_example = tf.vectorized_map(one, elems)
+    per_example = zero_rows(tf.vectorized_map(one, elems), live)
     return [
         from_per_example(v, g, path="fallback:vectorized") for v, g in zip(variables, per_example)
     ]
@@ -342,23 +350,29 @@ def fast_summary(
         total, (zs, float_inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO
     )
     batch = tf.shape(weights)[0] // group
+    live = weights != 0  # rows that contribute: the others are zeroed below, NaN or not
     by_variable: dict[int, VariableGrad] = {}
     paths: dict[str, str] = {}
     for key, gz in zip(keys, grads_z):
         layer, rule, why = recorder.layers[key]
-        uses = [Use(capture=c, grad=g) for (_, c), g in zip(recorder.calls[key], gz)]
+        # A capture holds rows along its leading axis unless the rule says otherwise (groupable).
+        rows_first = rule is None or rule.groupable
+        uses = [
+            Use(capture=zero_rows(c, live) if rows_first else c, grad=zero_rows(g, live))
+            for (_, c), g in zip(recorder.calls[key], gz)
+        ]
         uses = unit_uses(uses, group)  # unit u: one example that called the layer K times
         if rule is not None:
             found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
         else:
-            found = _fallback_grads(layer, uses, wanted)
+            found = _fallback_grads(layer, uses, wanted, unit_mask(live, group) > 0)
         paths[recorder.names[key]] = found[0].path if found else "no variables"
         for vg in found:
             by_variable[id(vg.variable)] = vg
     per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]
     sq_norms = tf.stack([tf.cast(vg.sq_norm, tf.float64) for vg in per_var], axis=1)
     units = unit_mask(mask, group)
-    sq_norms = sq_norms * tf.cast(units, tf.float64)[:, None]
+    sq_norms = tf.where(units[:, None] > 0, sq_norms, tf.zeros_like(sq_norms))
     row_mask = None
     if group > 1:
         row_mask = tf.cast(mask, tf.float32)
@@ -370,7 +384,7 @@ def fast_summary(
 
     input_gradients = None
     if wrt_inputs:
-        it = iter(grads_x)
+        it = iter(zero_rows(grads_x, live))
         input_gradients = tf.nest.pack_sequence_as(
             x, [next(it) if t.dtype.is_floating else None for t in x_leaves]
         )

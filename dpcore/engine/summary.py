@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from dpcore.engine import graph
 from dpcore.options import NONFINITE_MODES
 
 
@@ -214,14 +215,42 @@ def weighted_loss(loss_fn: Callable, y: Any, y_pred: Any, weights: tf.Tensor) ->
     A zero-weight row (padding, or a row dropped as non-finite) may still have a non-finite loss on
     its zeroed inputs (``log(0)``); ``0 * inf`` would put NaN into its value and, through the
     backward pass, into its gradients. The row's predictions are cut from the backward pass and
-    its loss replaced by 0 instead.
+    its loss replaced by 0 instead. The Keras mask of a prediction (masked sequence outputs) is
+    kept, so the loss applies it as Keras's compiled loss does (:mod:`dpcore.losses`).
     """
     keep = weights != 0
-    y_pred = tf.nest.map_structure(
-        lambda t: _select_rows(keep, t, tf.stop_gradient(t)) if t.dtype.is_floating else t, y_pred
-    )
+    y_pred = tf.nest.map_structure(lambda t: _cut_rows(keep, t), y_pred)
     loss = tf.cast(loss_fn(y, y_pred), tf.float32)
     return tf.where(keep, loss * weights, tf.zeros_like(loss))
+
+
+def _cut_rows(keep: tf.Tensor, t: Any) -> Any:
+    """``t`` with the rows where ``keep`` is False cut from the backward pass, its mask kept."""
+    if not t.dtype.is_floating:
+        return t
+    out = _select_rows(keep, t, tf.stop_gradient(t))
+    mask = graph.keras_mask(t)
+    if mask is not None:
+        graph.set_mask(out, mask)
+    return out
+
+
+def zero_rows(structure: Any, keep: tf.Tensor) -> Any:
+    """``structure`` with every floating tensor of rank >= 1 selected to 0 where ``keep`` is False.
+
+    For the rows of a batch that contribute nothing (padding, zero weight, dropped): a select, not
+    a product, so a row whose values are not finite (e.g. ``0/0`` from a masked average over a
+    fully masked padding row) becomes exactly 0 and cannot reach a sum as ``0 * NaN``. Every
+    tensor of rank >= 1 must have the rows as its leading axis; other values pass through.
+    """
+
+    def zero(t: Any) -> Any:
+        if not (tf.is_tensor(t) and t.shape.rank and t.dtype.is_floating):
+            return t
+        rows = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))  # static rank: two ops a tensor
+        return tf.where(rows, t, tf.zeros([], t.dtype))
+
+    return tf.nest.map_structure(zero, structure)
 
 
 def _select_rows(keep: tf.Tensor, t: tf.Tensor, other: tf.Tensor) -> tf.Tensor:

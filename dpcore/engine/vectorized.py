@@ -28,6 +28,7 @@ from dpcore.engine.summary import (
     to_units,
     unit_mask,
     weighted_loss,
+    zero_rows,
 )
 from dpcore.options import ExecutionOptions, resolve
 
@@ -64,8 +65,13 @@ def _per_example_fn(
             loss, sources + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
         grads = [tf.convert_to_tensor(g) for g in grads]
-        weight_grads = grads[: len(sources)]
-        input_grads = grads[len(sources) :]
+        # An example (unit) of zero weight (padding) contributes exactly zero, selected rather
+        # than multiplied: its gradient may be NaN where the model is not finite on its zeroed
+        # inputs (a fully masked average is 0/0), and 0 * NaN would poison the sums.
+        live = wb != 0
+        any_live = tf.reduce_any(live)
+        weight_grads = [tf.where(any_live, g, tf.zeros_like(g)) for g in grads[: len(sources)]]
+        input_grads = zero_rows(grads[len(sources) :], live)
         if group_size == 1:
             input_grads = [g[0] for g in input_grads]
             y_pred = tf.nest.map_structure(lambda t: t[0], y_pred)
@@ -327,7 +333,7 @@ def vectorized_summary(
                 x, [next(it) if t.dtype.is_floating else None for t in leaves]
             )
     units = unit_mask(mask, options.group_size)
-    sq = sq * tf.cast(units, tf.float64)[:, None]
+    sq = tf.where(units[:, None] > 0, sq, tf.zeros_like(sq))
     return GradientSummary(
         variables=tuple(variables),
         sq_norms=sq,
