@@ -5,9 +5,9 @@ the rest of the model keeps its rules), which must give the exact per-example no
 sums, with ``return_sequences`` on and off, Keras masks (``Masking``, ``Embedding(mask_zero=True)``),
 padding rows and sample weights, eagerly and under ``tf.function``; and train through
 ``make_private(...).fit`` with the exact clipped mean. Masked sequence outputs get Keras's output
-mask in the loss on every path. Two known bugs around masked sequences are recorded as strict
-xfails (a fully masked padding row under masked average pooling; the whole-model vectorized path
-with a masked LSTM).
+mask in the loss on every path; a padding row that the model turns into NaN (fully masked by
+``Masking`` or ``mask_zero`` under a masked average) contributes exactly zero, also when every row
+is padding; the whole-model vectorized path runs a masked LSTM (by its ``map_fn`` fallback).
 """
 
 import keras
@@ -162,22 +162,70 @@ def _check_one_fit_step(model, loss, x, y, *, clip):
         np.testing.assert_allclose(b - v.numpy(), e, rtol=1e-4, atol=1e-7, err_msg=v.path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tf.errors.InvalidArgumentError,
-    reason="known bug: prepare_batch zeroes a padding row's float inputs; Masking then masks every "
-    "step and masked GlobalAveragePooling1D computes 0/0 = NaN for that row, which reaches the "
-    "clipped sum (0 * NaN) and the step refuses to apply",
-)
-def test_padding_row_fully_masked_by_masking_and_pooling(rng):
-    model = _masked_model(keras.layers.GRU(3, return_sequences=True), "masking", pool=True)
-    x, y = _masked_batch("masking", rng)
+def _pooled_step(masking, method, x, y, mask, *, noise_multiplier=0.0, nonfinite="raise"):
+    """One SGD(1.0) ``dp_train_step`` of a fresh masked GRU -> masked average pooling model;
+    returns ``(model, loss, parameters before, parameters after)``."""
+    keras.utils.set_random_seed(7)
+    model = _masked_model(keras.layers.GRU(3, return_sequences=True), masking, pool=True)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     opt = dpcore.DPOptimizer(
-        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=4
+        keras.optimizers.SGD(1.0),
+        l2_norm_clip=0.1,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=len(mask),
+        seed=3,
     )
+    before = [v.numpy() for v in model.trainable_variables]
+    options = dpcore.ExecutionOptions(method=method, nonfinite=nonfinite)
+    dpcore.dp_train_step(model, loss, x, y, mask=mask, optimizer=opt, options=options)
+    return model, loss, before, [v.numpy() for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+@pytest.mark.parametrize("masking", ["masking", "mask_zero"])
+def test_padding_row_fully_masked_by_masking_and_pooling(masking, method, rng):
+    """``prepare_batch`` zeroes a padding row, so ``Masking`` (all-zero steps) or ``mask_zero``
+    (all-zero ids) masks all its steps and the masked average is 0/0 = NaN; the row must still
+    contribute exactly zero: the step applies the exact clipped mean of the real rows."""
+    x, y = _masked_batch(masking, rng)
     mask = np.array([1, 1, 1, 0], "float32")
-    dpcore.dp_train_step(model, loss, x, y, mask=mask, optimizer=opt)
+    _check_clipped_mean(*_pooled_step(masking, method, x, y, mask), x, y, mask)
+
+
+def _check_clipped_mean(model, loss, before, after, x, y, mask):
+    """``before - after`` is the exact clipped mean of the rows where ``mask`` is 1."""
+    for v, b in zip(model.trainable_variables, before):
+        v.assign(b)
+    grads = reference_per_example_gradients(model, loss, x, y, mask=mask)
+    expected = reference_clipped_mean(grads, l2_norm_clip=0.1, expected_batch_size=len(mask))
+    for b, a, e in zip(before, after, expected):
+        np.testing.assert_allclose(b - a, e, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+def test_all_padding_batch_applies_noise_only(method, rng):
+    """An empty Poisson sample (every row padding, every one NaN under the masked average): no
+    gradient, and the noise still applies (finite)."""
+    x, y = _masked_batch("masking", rng)
+    mask = np.zeros(4, "float32")
+    _, _, before, after = _pooled_step("masking", method, x, y, mask)
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    _, _, before, after = _pooled_step("masking", method, x, y, mask, noise_multiplier=1.0)
+    assert all(np.all(np.isfinite(a)) for a in after)
+    assert any(np.any(a != b) for a, b in zip(after, before))
+
+
+def test_real_row_fully_masked_still_fails_the_step(rng):
+    """A REAL row that the model turns into NaN (all steps masked) fails the step with
+    ``nonfinite="raise"``, and is dropped with ``"skip"``: only padding is neutralized."""
+    x, y = _masked_batch("masking", rng)
+    x[2] = 0.0  # a real row with every step masked: its pooled features are NaN
+    mask = np.array([1, 1, 1, 0], "float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN/Inf"):
+        _pooled_step("masking", "fast", x, y, mask)
+    skipped = _pooled_step("masking", "fast", x, y, mask, nonfinite="skip")
+    _check_clipped_mean(*skipped, x, y, np.array([1, 1, 0, 0], "float32"))
 
 
 @pytest.mark.slow

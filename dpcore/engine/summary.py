@@ -235,6 +235,24 @@ def _cut_rows(keep: tf.Tensor, t: Any) -> Any:
     return out
 
 
+def zero_rows(structure: Any, keep: tf.Tensor) -> Any:
+    """``structure`` with every floating tensor of rank >= 1 selected to 0 where ``keep`` is False.
+
+    For the rows of a batch that contribute nothing (padding, zero weight, dropped): a select, not
+    a product, so a row whose values are not finite (e.g. ``0/0`` from a masked average over a
+    fully masked padding row) becomes exactly 0 and cannot reach a sum as ``0 * NaN``. Every
+    tensor of rank >= 1 must have the rows as its leading axis; other values pass through.
+    """
+
+    def zero(t: Any) -> Any:
+        if not (tf.is_tensor(t) and t.shape.rank and t.dtype.is_floating):
+            return t
+        rows = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))  # static rank: two ops a tensor
+        return tf.where(rows, t, tf.zeros([], t.dtype))
+
+    return tf.nest.map_structure(zero, structure)
+
+
 def _select_rows(keep: tf.Tensor, t: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
     shape = tf.concat([tf.shape(keep), tf.ones([tf.rank(t) - 1], tf.int32)], 0)
     return tf.where(tf.reshape(keep, shape), t, other)
