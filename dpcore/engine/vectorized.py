@@ -3,10 +3,11 @@
 Contract: :func:`vectorized_summary` computes each example's gradient by running the model on that
 example alone inside ``tf.vectorized_map`` (one compiled program for the whole batch, no Python
 loop). When TensorFlow cannot vectorize some op of the model (stateful random ops, some control
-flow), it falls back to ``tf.map_fn`` over examples and warns once per model. With ``chunk_size``,
-the batch is processed ``chunk_size`` examples at a time: norms in a first pass and the weighted
-sum in a second, so peak memory is bounded by one chunk's gradients; every example is still
-clipped on its own. With privacy units of several rows (``options.group_size = K``) the mapped
+flow), it falls back to ``tf.map_fn`` over examples and warns once per model (the attempt is traced
+in a function graph of its own, so a conversion failing part-way leaves nothing behind). With
+``chunk_size``, the batch is processed ``chunk_size`` examples at a time: norms in a first pass and
+the weighted sum in a second, so peak memory is bounded by one chunk's gradients; every example is
+still clipped on its own. With privacy units of several rows (``options.group_size = K``) the mapped
 element is a unit: the model runs on the unit's ``K`` rows as one small batch and the gradient is
 that of the unit's summed (weighted) loss, so only ``[U, *var.shape]`` gradients are formed.
 """
@@ -101,7 +102,7 @@ def _map(fn: Callable, elems: Any, model: Any) -> Any:
     reason = _unvectorizable_layer(model) if isinstance(model, keras.layers.Layer) else None
     if reason is None:
         try:
-            return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
+            return _vectorized(fn, elems)
         except Exception as err:  # pfor raises various errors at trace time
             # Errors that are not about vectorization (bad loss shape, ...) surface here,
             # unwrapped, when one example is traced on its own.
@@ -117,6 +118,22 @@ def _map(fn: Callable, elems: Any, model: Any) -> Any:
             stacklevel=3,
         )
     return tf.map_fn(fn, elems, fn_output_signature=signature, parallel_iterations=8)
+
+
+def _vectorized(fn: Callable, elems: Any) -> Any:
+    """``tf.vectorized_map(fn, elems)``, converted in a function graph of its own and then called.
+
+    A conversion that fails part-way (e.g. pfor on the ``TensorList`` ops of a masked LSTM's while
+    loop) would otherwise leave its converted ops in the caller's graph, where a stateful one still
+    runs, and fails, after the fallback below was chosen; in a graph of its own, a failed attempt
+    leaves nothing behind.
+    """
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), elems)
+
+    def vectorized(elems: Any) -> Any:
+        return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
+
+    return tf.function(vectorized, autograph=False).get_concrete_function(specs)(elems)
 
 
 def _first_line(err: Exception) -> str:
