@@ -13,8 +13,9 @@ then divides the batch's sum by the number of unmasked positions in the whole *b
 that depends on the other examples and so has no place in a per-example loss. Here each example's
 loss is the sum of its unmasked positions' losses divided by the padded length ``T`` (the mean over
 trailing axes of the masked per-position losses): a function of that example alone, with every
-unmasked position weighted ``1/T`` as Keras weights it ``1/N``; summed over the batch it is Keras's
-loss times the batch's fraction of unmasked positions ``N / (B T)``, the same gradient direction.
+unmasked position weighted ``1/T`` as Keras weights it ``1/N``; averaged over the ``B`` examples it
+is Keras's loss times the batch's fraction of unmasked positions ``N / (B T)``: the same gradient
+direction.
 A fully masked example has loss 0 and gradient 0.
 """
 

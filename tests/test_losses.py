@@ -4,7 +4,7 @@ Keras's ``compile``d loss (a ``keras.losses.Loss``, or a plain function or name 
 wraps) turns the output's Keras mask into 0/1 weights on the per-position losses and divides the
 batch's sum by the number of unmasked positions in the whole batch. dpcore's per-example loss is
 the masked sum over the example's own positions divided by the padded length ``T``: a function of
-that example alone, whose batch sum is Keras's loss times ``N / (B T)``.
+that example alone, whose batch mean is Keras's loss times ``N / (B T)``.
 """
 
 import keras
