@@ -52,8 +52,8 @@ def _summary(model, loss, x, y, sw, mask, weights, mode):
         paths.update(s.paths)
         return s.sq_norms, s.weighted_sum(weights)
 
-    if mode == "function":
-        step = tf.function(step)
+    if mode != "eager":
+        step = tf.function(step, jit_compile=(mode == "jit"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a whole-model fallback fails the test
         sq, sums = step(x, y, sw, mask, weights)
@@ -212,6 +212,19 @@ def test_token_and_position_embedding_tied_to_output_projection(rng):
     assert "tied weights" in ghost.fallback_reason(model, registry=registry)
 
 
+def test_masked_lm_head_untied_output_kernel(rng):
+    """Without a token embedding the head owns its output kernel: ``X^T dlogits`` plus the bias."""
+    b, t, d, vocab = 4, 6, 8, 30
+    h_in, pos_in = keras.Input((t, d)), keras.Input((2,), dtype="int32")
+    head = H.MaskedLMHead(vocabulary_size=vocab, intermediate_activation="gelu", name="head")
+    model = keras.Model([h_in, pos_in], head(keras.layers.Dense(d)(h_in), mask_positions=pos_in))
+    bias = next(v for v in head.weights if v.path.endswith("output_bias"))
+    bias.assign(rng.normal(size=vocab).astype("float32"))  # not the zero initial bias
+    x = [rng.normal(size=(b, t, d)).astype("float32"), rng.integers(0, t, (b, 2)).astype("int32")]
+    paths = check(model, x, _ids(rng, b, 2, vocab))
+    assert paths["head"] in ("ghost", "materialized") and "head/intermediate_dense" in paths
+
+
 # ------------------------------------------------------------------------------- task models
 
 
@@ -262,6 +275,38 @@ def test_explain_puts_keras_hub_layers_on_rules():
             "ghost",
             "materialized",
         )
+
+
+def _bert_mlm(**kwargs):
+    models = keras_hub.models
+    return _task(models.BertBackbone, models.BertMaskedLM, **kwargs)
+
+
+def _bert_mlm_batch(rng, b=4, t=8, vocab=100, masked=3):
+    x, _ = _bert_batch(rng, b, t, vocab)
+    lengths = x["padding_mask"].sum(axis=1)
+    # Distinct masked positions inside each example's real tokens (a repeat would be legal too).
+    x["mask_positions"] = np.stack(
+        [rng.permutation(int(n))[:masked] for n in np.maximum(lengths, masked)]
+    ).astype("int32")
+    return x, _ids(rng, b, masked, vocab)
+
+
+def test_bert_masked_lm_head_ties_to_the_token_embedding(rng):
+    """The head's reverse projection is one more use of the backbone's token table."""
+    model = _bert_mlm(layers=1)
+    report = explain(model)
+    assert report.whole_model_fallback is None, report.whole_model_fallback
+    rows = {r.name: r for r in report.rows}
+    assert "fallback:vectorized" not in {r.path for r in report.rows}, str(report)
+    assert "tied 'token_embedding'" in rows["mlm_head"].why, str(report)
+    x, y = _bert_mlm_batch(rng)
+    x["mask_positions"][0] = [1, 1, 2]  # a position masked twice: its rows add up
+    paths = check(model, x, y)
+    head = {"mlm_head", "mlm_head/intermediate_dense", "mlm_head/intermediate_layer_norm"}
+    assert head <= set(paths) and "token_embedding" in paths, paths
+    # The tied table's two uses are summed by one rule: no "mlm_head/token_embedding" row.
+    assert not any(k.endswith("/token_embedding") for k in paths), paths
 
 
 def test_bert_classifier_matches_reference(rng):

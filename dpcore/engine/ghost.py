@@ -160,6 +160,7 @@ class _Recorder:
         self.calls: dict[int, list[tuple[Any, dict]]] = {}  # layer id -> [(z structure, capture)]
         self.names: dict[int, str] = {}  # layer id -> report name ("mha/query" for sub-layers)
         self.prefix = ""
+        self.composing: set[int] = set()  # compositions whose ``compose`` is running
         self.wanted_values: dict[int, Any] = {}  # id(backing tf.Variable) -> wanted variable
 
     def want(self, variables: Sequence[Any]) -> None:
@@ -192,12 +193,16 @@ class _Recorder:
             self.layers[key] = (layer, rule, reason)
             self.names[key] = self.prefix + layer.name
         _, rule, _ = self.layers[key]
-        if rule is not None and rule.compose is not None:
+        if rule is not None and rule.compose is not None and key not in self.composing:
             outer, self.prefix = self.prefix, self.prefix + layer.name + "/"
+            self.composing.add(key)
             try:
                 return rule.compose(layer, args, kwargs, self)
             finally:
                 self.prefix = outer
+                self.composing.discard(key)
+        # A composition calling itself from its ``compose`` records its own variables (those
+        # outside its sub-layers, e.g. a bias) with its rule's ``forward`` and ``grads``.
         if rule is not None:
             z, capture = rule.forward(layer, args, kwargs)
             self.tape.watch(z)

@@ -18,8 +18,9 @@ Contract:
   attention rule (:mod:`dpcore.rules.attention`), which replays the layer's call from them, so
   this module stays the only one touching Keras internals. :func:`transformer_parts`,
   :func:`padding_attention_mask` and :func:`decoder_self_attention_mask` do the same for KerasHub's
-  ``TransformerEncoder``/``TransformerDecoder`` (:mod:`dpcore.rules.keras_hub`; KerasHub is
-  imported only when one of them is called). It imports nothing from dpcore.
+  ``TransformerEncoder``/``TransformerDecoder``, and :func:`masked_lm_head_parts` for its
+  ``MaskedLMHead`` (:mod:`dpcore.rules.keras_hub`; KerasHub is imported only when one of them is
+  called). It imports nothing from dpcore.
 """
 
 from __future__ import annotations
@@ -278,3 +279,17 @@ def decoder_self_attention_mask(layer: Any, **masks: Any) -> Any:
     self-attention (``decoder_sequence``, ``decoder_padding_mask``, ``decoder_attention_mask``,
     ``use_causal_mask``, ``self_attention_cache``, ``self_attention_cache_update_index``)."""
     return layer._compute_self_attention_mask(**masks)
+
+
+def masked_lm_head_parts(layer: Any) -> dict[str, Any]:
+    """The parts of a KerasHub ``MaskedLMHead`` by role: ``"intermediate_dense"`` and
+    ``"intermediate_layer_norm"`` (sub-layers), ``"token_embedding"`` (the tied
+    ``ReversibleEmbedding`` whose reverse call projects to the vocabulary, or None), ``"kernel"``
+    (the head's own output kernel when it has no token embedding, else None) and ``"bias"``."""
+    return {
+        "intermediate_dense": layer._intermediate_dense,
+        "intermediate_layer_norm": layer._intermediate_layer_norm,
+        "token_embedding": layer.token_embedding,
+        "kernel": getattr(layer, "_kernel", None) if layer.token_embedding is None else None,
+        "bias": layer._bias,
+    }

@@ -131,7 +131,10 @@ class LayerRule:
         ``(layer, args, kwargs, call) -> outputs`` replays the layer's computation, calling each
         sub-layer through ``call(sublayer, args, kwargs)`` so that the engine records the
         sub-layers with their own rules. When set, ``forward``/``activate``/``grads`` are unused
-        (and may be left out).
+        (and may be left out), except for a layer owning variables outside its sub-layers (e.g.
+        a bias): its ``compose`` calls the layer itself through ``call``, which runs ``forward``
+        and ``activate`` and hands those uses to ``grads`` (``dpcore.rules.keras_hub``'s
+        ``MaskedLMHead`` rule).
       groupable: True (default) when every tensor of rank >= 1 in a capture has the rows as its
         leading axis, so that a privacy unit of several rows can be handed to ``grads`` as
         several uses (:func:`unit_uses`); False sends the layer to the per-layer fallback then.

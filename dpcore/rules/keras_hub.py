@@ -3,8 +3,8 @@
 Contract:
 - :func:`keras_hub_rules` returns ``{layer class: LayerRule}`` for ``keras_hub.layers``
   ``TransformerEncoder``, ``TransformerDecoder``, ``CachedMultiHeadAttention`` (the decoder's
-  attention), ``ReversibleEmbedding``, ``PositionEmbedding`` and ``TokenAndPositionEmbedding``
-  once ``keras_hub`` is imported, else an empty mapping: KerasHub is an optional dependency that
+  attention), ``ReversibleEmbedding``, ``PositionEmbedding``, ``TokenAndPositionEmbedding`` and
+  ``MaskedLMHead`` once ``keras_hub`` is imported, else an empty mapping: KerasHub is an optional dependency that
   dpcore never imports itself (a model with KerasHub layers has imported it). ``keras.layers.ReversibleEmbedding`` (the Keras class
   KerasHub's subclasses) has its rule in :func:`dpcore.rules.builtin_rules` either way.
 - The transformer layers and ``TokenAndPositionEmbedding`` are compositions: their rules'
@@ -22,6 +22,13 @@ Contract:
   weighted product. With only lookups it is the ``Embedding`` rule's same-id sums (no one-hot);
   with untied weights the reverse kernel is a plain linear map of its own. ``logit_soft_cap`` is
   the activation of the reverse use.
+- ``MaskedLMHead`` (``BertMaskedLM``'s head) is a composition that owns variables itself: its
+  rule's ``compose`` gathers the masked positions and routes the intermediate ``Dense`` and
+  ``LayerNormalization`` through ``call``, and the reverse call of its tied ``token_embedding``
+  too, so that projection is one more use of the backbone's ``ReversibleEmbedding`` (whose rule
+  sums it with the lookups, cross terms included); it then calls the head itself through ``call``,
+  which records the head's own ``output_bias`` (and, untied, ``output_kernel``) with the rule's
+  ``forward``/``grads``.
 - ``PositionEmbedding`` reads rows ``start_index .. start_index + T`` (or ``positions``) of its
   table for every example: the ``Embedding`` rule's same-id sums with those ids.
 """
@@ -46,6 +53,7 @@ from dpcore.rules.normalization import LAYER_NORMALIZATION
 
 __all__ = [
     "CACHED_MULTI_HEAD_ATTENTION",
+    "MASKED_LM_HEAD",
     "POSITION_EMBEDDING",
     "REVERSIBLE_EMBEDDING",
     "TOKEN_AND_POSITION_EMBEDDING",
@@ -514,6 +522,81 @@ TRANSFORMER_DECODER = LayerRule(
 )
 
 
+# ------------------------------------------------------------------------------ MaskedLMHead
+
+
+def replay_masked_lm_head(layer: Any, args: tuple, kwargs: dict, call: Call) -> Any:
+    """``MaskedLMHead.call`` with its parts routed through ``call``: the gather at
+    ``mask_positions``, the intermediate ``Dense`` and ``LayerNormalization`` by their rules, the
+    tied ``ReversibleEmbedding``'s reverse call as one more use of that layer (its rule sums it with
+    the lookups, cross terms included), then the head itself for its own bias (and output kernel
+    when untied): ``call(layer, (x, logits), {})`` runs :data:`MASKED_LM_HEAD`'s ``forward``."""
+    a = _arguments(layer, args, kwargs)
+    parts = graph.masked_lm_head_parts(layer)
+    positions = keras.ops.expand_dims(a["mask_positions"], axis=-1)
+    x = keras.ops.take_along_axis(a["inputs"], positions, axis=1)
+    x = call(parts["intermediate_dense"], (x,), {})
+    x = call(parts["intermediate_layer_norm"], (x,), {})
+    logits = None
+    if parts["token_embedding"] is not None:
+        logits = call(parts["token_embedding"], (x,), {"reverse": True})
+    return call(layer, (x, logits), {})
+
+
+def _head_forward(layer: Any, args: tuple, kwargs: dict) -> tuple[tf.Tensor, dict]:
+    """The head's own variables: ``z = logits + bias``, ``logits = x @ kernel`` when untied."""
+    x, logits = args
+    parts = graph.masked_lm_head_parts(layer)
+    capture: dict[str, Any] = {}
+    if logits is None:
+        x = tf.convert_to_tensor(x)
+        logits = keras.ops.matmul(x, parts["kernel"])
+        capture["x"] = x
+    z = keras.ops.cast(logits, layer.compute_dtype) + parts["bias"]
+    return z, capture
+
+
+def _head_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
+    parts = graph.masked_lm_head_parts(layer)
+    g = tf.concat([linear.as_sequence(tf.cast(u.grad, tf.float32)) for u in uses], 1)
+    out = [from_per_example(parts["bias"], tf.reduce_sum(g, axis=1), path="ghost")]
+    if parts["kernel"] is not None:
+        x = tf.concat([linear.as_sequence(tf.cast(u.capture["x"], tf.float32)) for u in uses], 1)
+        out.append(_outer(parts["kernel"], x, g))  # [dim, vocab] = X^T dlogits
+    return [vg for vg in out if vg.variable.trainable]
+
+
+def _head_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
+    parts = graph.masked_lm_head_parts(layer)
+    shape = input_shapes[0] if input_shapes else None
+    gathered = None if shape is None else (shape[0], None, shape[-1])  # mask positions: dynamic
+    dim = int(parts["intermediate_dense"].units)
+    rows = {
+        parts["intermediate_dense"].name: _sub_plan(DENSE, parts["intermediate_dense"], gathered),
+        parts["intermediate_layer_norm"].name: _sub_plan(
+            LAYER_NORMALIZATION, parts["intermediate_layer_norm"], gathered
+        ),
+    }
+    if parts["bias"].trainable:
+        rows["output_bias"] = ("ghost", "")
+    if parts["kernel"] is not None and parts["kernel"].trainable:
+        rows["output_kernel"] = linear.choose_path(None, dim, int(layer.vocabulary_size))
+    path, why = _combine(rows)
+    if parts["token_embedding"] is not None:
+        why += f"; output projection: a use of the tied {parts['token_embedding'].name!r} table"
+    return path, why
+
+
+MASKED_LM_HEAD = LayerRule(
+    name="masked_lm_head",
+    check=_built,
+    forward=_head_forward,
+    grads=_head_grads,
+    plan=_head_plan,
+    compose=replay_masked_lm_head,
+)
+
+
 # ---------------------------------------------------------------------------------- registry
 
 
@@ -538,4 +621,5 @@ def keras_hub_rules() -> dict[type, LayerRule]:
         layers.ReversibleEmbedding: REVERSIBLE_EMBEDDING,
         layers.PositionEmbedding: POSITION_EMBEDDING,
         layers.TokenAndPositionEmbedding: TOKEN_AND_POSITION_EMBEDDING,
+        layers.MaskedLMHead: MASKED_LM_HEAD,
     }
