@@ -29,7 +29,7 @@ data:
 test: $(STAMP) data
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
 	$(VENV)/bin/python -m mypy
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=20
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
