@@ -1,6 +1,7 @@
 """KerasHub layers and task models on the fast path, against the slow exact reference.
 
-Each case runs eagerly and under ``tf.function`` with sample weights and a padding example: the
+Each case runs eagerly, under ``tf.function`` and under ``tf.function(jit_compile=True)`` (XLA; for
+the task models a separate slow test with one layer) with sample weights and a padding example: the
 certified norms must bound the reference's per-example squared norms tightly
 (``assert_sq_norm_bound``) and the clipped sums must match, and the engine must take the layers'
 rules (no per-layer or whole-model fallback). Skipped when ``keras_hub`` (the ``test`` extra) is
@@ -60,7 +61,11 @@ def _summary(model, loss, x, y, sw, mask, weights, mode):
     return np.asarray(sq), [np.asarray(t) for t in sums], paths
 
 
-def check(model, x, y, loss=SPARSE_CE, *, modes=("eager", "function"), per_layer_fallback=False):
+MODES = ("eager", "function", "jit")  # jit: tf.function(jit_compile=True), i.e. XLA
+TRACED = ("eager", "function")  # the task models: their XLA compiles are a slow test of their own
+
+
+def check(model, x, y, loss=SPARSE_CE, *, modes=MODES, per_layer_fallback=False):
     """Fast norms and clipped sums == reference, with sample weights and a padding example."""
     b = tf.nest.flatten(x)[0].shape[0]
     sw = np.linspace(0.5, 1.5, b).astype("float32")
@@ -302,7 +307,7 @@ def test_bert_masked_lm_head_ties_to_the_token_embedding(rng):
     assert "tied 'token_embedding'" in rows["mlm_head"].why, str(report)
     x, y = _bert_mlm_batch(rng)
     x["mask_positions"][0] = [1, 1, 2]  # a position masked twice: its rows add up
-    paths = check(model, x, y)
+    paths = check(model, x, y, modes=TRACED)
     head = {"mlm_head", "mlm_head/intermediate_dense", "mlm_head/intermediate_layer_norm"}
     assert head <= set(paths) and "token_embedding" in paths, paths
     # The tied table's two uses are summed by one rule: no "mlm_head/token_embedding" row.
@@ -312,15 +317,26 @@ def test_bert_masked_lm_head_ties_to_the_token_embedding(rng):
 def test_bert_classifier_matches_reference(rng):
     model = _bert()
     x, y = _bert_batch(rng)
-    paths = check(model, x, y)
+    paths = check(model, x, y, modes=TRACED)
     assert "transformer_layer_1/self_attention_layer/key" in paths
 
 
 def test_gpt2_causal_lm_matches_reference(rng):
     model = _gpt2()
     x, y = _gpt2_batch(rng)
-    paths = check(model, x, y)
+    paths = check(model, x, y, modes=TRACED)
     assert paths["token_embedding"] in ("ghost", "materialized")
+
+
+@pytest.mark.slow  # one XLA compile of a whole (one-layer) task model each: ~10-20 s on 2 cores
+@pytest.mark.parametrize("task", ["bert_classifier", "gpt2_causal_lm", "bert_masked_lm"])
+def test_task_models_under_xla(task, rng):
+    make, batch = {
+        "bert_classifier": (_bert, _bert_batch),
+        "gpt2_causal_lm": (_gpt2, _gpt2_batch),
+        "bert_masked_lm": (_bert_mlm, _bert_mlm_batch),
+    }[task]
+    check(make(layers=1), *batch(rng), modes=("jit",))
 
 
 def test_bert_with_lora_stays_on_the_fast_path(rng):
