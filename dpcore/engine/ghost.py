@@ -356,6 +356,7 @@ def fast_summary(
     )
     batch = tf.shape(weights)[0] // group
     live = weights != 0  # rows that contribute: the others are zeroed below, NaN or not
+    prepared = {id(t) for t in x_leaves}  # finite on every row (prepare_batch): left as they are
     by_variable: dict[int, VariableGrad] = {}
     paths: dict[str, str] = {}
     for key, gz in zip(keys, grads_z):
@@ -363,7 +364,10 @@ def fast_summary(
         # A capture holds rows along its leading axis unless the rule says otherwise (groupable).
         rows_first = rule is None or rule.groupable
         uses = [
-            Use(capture=zero_rows(c, live) if rows_first else c, grad=zero_rows(g, live))
+            Use(
+                capture=zero_rows(c, live, finite=prepared) if rows_first else c,
+                grad=zero_rows(g, live),
+            )
             for (_, c), g in zip(recorder.calls[key], gz)
         ]
         uses = unit_uses(uses, group)  # unit u: one example that called the layer K times

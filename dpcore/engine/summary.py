@@ -14,7 +14,7 @@ while predictions and input gradients stay per row. :func:`to_units`, :func:`uni
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -235,17 +235,20 @@ def _cut_rows(keep: tf.Tensor, t: Any) -> Any:
     return out
 
 
-def zero_rows(structure: Any, keep: tf.Tensor) -> Any:
+def zero_rows(structure: Any, keep: tf.Tensor, *, finite: Collection[int] = ()) -> Any:
     """``structure`` with every floating tensor of rank >= 1 selected to 0 where ``keep`` is False.
 
     For the rows of a batch that contribute nothing (padding, zero weight, dropped): a select, not
     a product, so a row whose values are not finite (e.g. ``0/0`` from a masked average over a
     fully masked padding row) becomes exactly 0 and cannot reach a sum as ``0 * NaN``. Every
-    tensor of rank >= 1 must have the rows as its leading axis; other values pass through.
+    tensor of rank >= 1 must have the rows as its leading axis; other values pass through, and so
+    do the tensors whose ``id`` is in ``finite`` (finite on every row, e.g. the batch as
+    :func:`prepare_batch` returns it: a product with the zero output gradients of those rows is
+    then 0, and the select would only cost time).
     """
 
     def zero(t: Any) -> Any:
-        if not (tf.is_tensor(t) and t.shape.rank and t.dtype.is_floating):
+        if not (tf.is_tensor(t) and t.shape.rank and t.dtype.is_floating) or id(t) in finite:
             return t
         rows = tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1))  # static rank: two ops a tensor
         return tf.where(rows, t, tf.zeros([], t.dtype))
