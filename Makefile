@@ -26,10 +26,12 @@ data:
 		|| echo "warning: could not install dataset-fashion-mnist"; \
 	fi
 
+# Two pytest workers (pytest-xdist): most of the suite's time is TensorFlow tracing, which runs on
+# one core per process; the 20 slowest tests are listed at the end.
 test: $(STAMP) data
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
 	$(VENV)/bin/python -m mypy
-	$(VENV)/bin/python -m pytest -q --durations=20
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=20
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests

@@ -51,7 +51,9 @@ def test_recurrent_layer_falls_back_exactly(case, rng):
     model = keras.Sequential([keras.Input((T, F)), layer])
     x = rng.normal(size=(4, T, F)).astype("float32")
     y = rng.normal(size=model(x).shape).astype("float32")
-    paths = check_rule(model, x, y, modes=FAST_MODES, expect_path="fallback:vectorized")
+    # Eager and compiled run the same fallback code: both for one case, compiled for the rest.
+    modes = FAST_MODES if case == "lstm_last" else ("function",)
+    paths = check_rule(model, x, y, modes=modes, expect_path="fallback:vectorized")
     assert paths == {layer.name: "fallback:vectorized"}
     row = {r.name: r for r in explain(model).rows}[layer.name]
     assert row.path == "fallback:vectorized" and f"no rule for {type(layer).__name__}" in row.why
