@@ -160,7 +160,14 @@ def scatter_features(
     """
     from dpcore_experiments import scatternet
 
-    key = np.array([len(x_train), len(x_eval), float(np.sum(x_train[:64])), float(np.sum(x_eval))])
+    key = np.array(
+        [
+            len(x_train),
+            len(x_eval),
+            np.sum(x_train, dtype=np.float64),
+            np.sum(x_eval, dtype=np.float64),
+        ]
+    )
     cache = settings.feature_cache
     if cache and os.path.exists(cache):
         stored = np.load(cache)
