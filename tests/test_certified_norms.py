@@ -149,6 +149,24 @@ def test_conv_cancelling_offsets_are_clipped(rng):
     _check_record(model, x, y)
 
 
+def test_conv_depthwise_route_extreme_record_is_clipped(rng, monkeypatch):
+    """One input channel (the depthwise route): a huge, cancelling image with a tiny pixel."""
+    from dpcore.rules import conv
+
+    calls = []
+    route = conv._depthwise_per_example
+    monkeypatch.setattr(conv, "_depthwise_per_example", lambda *a: calls.append(1) or route(*a))
+    inputs = keras.Input((6, 6, 1))
+    h = keras.layers.Conv2D(4, 3, strides=2, padding="same", name="conv")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(h)))
+    x = rng.normal(size=(3, 6, 6, 1)).astype("float32")
+    x[0] = 1e12 * np.where(np.indices((6, 6, 1)).sum(0) % 2, 1.0, -1.0)
+    x[0, 0, 0, 0] = 1e-30
+    y = np.array([[1e13], [0.0], [1.0]], "float32")
+    _check_record(model, x, y)
+    assert calls  # the fast path's conv kernel took the depthwise route
+
+
 def test_embedding_repeated_ids_are_clipped(rng):
     model = keras.Sequential(
         [

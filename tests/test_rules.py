@@ -197,7 +197,7 @@ OFFSET_CASES = {  # >= 8 input channels and the materialized path: window-offset
 
 
 def _no_patches(*args, **kwargs):
-    raise AssertionError("the patch route ran where the window-offset route should have")
+    raise AssertionError("the patch route ran where another route should have")
 
 
 @pytest.mark.parametrize("case", sorted(OFFSET_CASES))
@@ -216,6 +216,57 @@ def test_conv_offset_route_shared_layer(rng, monkeypatch):
 
     layer = keras.layers.Conv1D(8, 3, padding="same", activation="tanh")  # T=9, D=24, P=8
     inputs = keras.Input((9, 8))
+    model = keras.Model(inputs, layer(layer(inputs)))
+    monkeypatch.setattr(conv, "_patches", _no_patches)
+    check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
+
+
+DEPTHWISE_CASES = {  # < 8 input channels, <= 32 filters, the materialized path, no dilation
+    "conv1d_same": (lambda: keras.layers.Conv1D(3, 3, padding="same", activation="tanh"), (7, 2)),
+    "conv1d_causal_stride2": (
+        lambda: keras.layers.Conv1D(4, 3, strides=2, padding="causal"),
+        (9, 1),
+    ),
+    # The benchmark CNN's first layer, smaller: 8x8 kernel, stride 2, one channel.
+    "conv2d_same_stride": (
+        lambda: keras.layers.Conv2D(4, 8, strides=2, padding="same", activation="tanh"),
+        (12, 11, 1),
+    ),
+    "conv2d_valid_rect": (lambda: keras.layers.Conv2D(5, (2, 3), strides=2), (7, 8, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEPTHWISE_CASES))
+def test_conv_depthwise_route(case, rng, monkeypatch):
+    from dpcore.rules import conv
+
+    make, shape = DEPTHWISE_CASES[case]
+    model = _single(make(), shape)
+    monkeypatch.setattr(conv, "_patches", _no_patches)
+    check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
+
+
+def test_conv_depthwise_route_is_not_taken_under_xla(rng, monkeypatch):
+    """XLA compiles the patches well and a depthwise gradient of B * C_out channels badly."""
+    from dpcore.rules import base, conv
+
+    seen = []
+    monkeypatch.setattr(conv, "_depthwise_per_example", lambda *a: seen.append(1))
+    make, shape = DEPTHWISE_CASES["conv2d_same_stride"]
+    model = _single(make(), shape)
+    check_rule(model, *_data(model, 4, rng), modes=("jit",))
+    assert not seen
+    flags = []
+    tf.function(jit_compile=True)(lambda: flags.append(base.tracing_for_xla()) or 0.0)()
+    tf.function(lambda: flags.append(base.tracing_for_xla()) or 0.0)()
+    assert flags == [True, False] and not base.tracing_for_xla()
+
+
+def test_conv_depthwise_route_shared_layer(rng, monkeypatch):
+    from dpcore.rules import conv
+
+    layer = keras.layers.Conv2D(2, 3, padding="same", activation="tanh")  # T=25, D=18, P=2
+    inputs = keras.Input((5, 5, 2))
     model = keras.Model(inputs, layer(layer(inputs)))
     monkeypatch.setattr(conv, "_patches", _no_patches)
     check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")

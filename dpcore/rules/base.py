@@ -48,6 +48,7 @@ __all__ = [
     "from_per_example",
     "materialized_plan",
     "quantized_variant",
+    "tracing_for_xla",
     "unit_uses",
     "unsupported_variant",
     "weighted_rows",
@@ -221,6 +222,19 @@ def unit_uses(uses: Sequence[Use], group_size: int) -> list[Use]:
             )
             out.append(Use(capture=capture, grad=grad))
     return out
+
+
+def tracing_for_xla() -> bool:
+    """True while tracing a function XLA will compile (``tf.function(jit_compile=True)``, Keras's
+    ``jit_compile=True``), read at trace time. A rule may pick a route by it where TensorFlow's
+    kernels and XLA's differ widely in speed; False when it cannot be told.
+    """
+    try:  # TensorFlow's own test (tf.function uses it); not part of its public API
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a TensorFlow without it
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
 
 
 def cast_input(layer: Any, x: Any) -> tf.Tensor:
