@@ -6,12 +6,16 @@ dp-accounting says about its DpEvent. Neither the program nor `compute` imports 
 `dpcore`), so a query answers in about a second instead of after TensorFlow's multi-second
 import. Give `--noise_multiplier` to get ε, or `--target_epsilon` to get the calibrated noise
 multiplier (and its ε). Shuffled batches get the sound no-amplification bound;
-`--poisson_assumption` adds the Poisson figure, labelled as an assumption. Bad flag values exit
-with a message naming the flag.
+`--poisson_assumption` adds the Poisson figure, labelled as an assumption. `--privacy_unit`
+names what one unit is: with `user`, `--num_examples` and `--batch_size` count users, the event
+samples users, and the output says "epsilon per user". Bad flag values exit with a message
+naming the flag.
 
 Examples:
   dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --noise_multiplier=1.1
   dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --target_epsilon=3
+  dpcore-epsilon --privacy_unit=user --num_examples=5000 --batch_size=50 --steps=2000 \
+      --noise_multiplier=1.0
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ from typing import Any
 from absl import app, flags
 
 FLAGS = flags.FLAGS
+PRIVACY_UNITS = ("example", "user")
 
 
 def _define_flags() -> None:
     """Defines the flags (only when run as a program, so the module imports cleanly)."""
-    flags.DEFINE_integer("num_examples", None, "Dataset size N.")
+    flags.DEFINE_integer("num_examples", None, "Dataset size N, in privacy units.")
     flags.DEFINE_float(
-        "batch_size", None, "Expected logical batch size (Poisson) or fixed batch size (shuffle)."
+        "batch_size",
+        None,
+        "Expected logical batch size (Poisson) or fixed batch size (shuffle), in privacy units.",
     )
     flags.DEFINE_float("epochs", None, "Passes over the data (give this or --steps).")
     flags.DEFINE_integer("steps", None, "Logical steps (give this or --epochs).")
@@ -43,6 +50,14 @@ def _define_flags() -> None:
     flags.DEFINE_enum("accountant", "pld", ["pld", "rdp"], "dp-accounting accountant.")
     flags.DEFINE_enum(
         "neighboring", "add_remove", ["add_remove", "replace_one"], "Adjacency relation."
+    )
+    flags.DEFINE_enum(
+        "privacy_unit",
+        "example",
+        list(PRIVACY_UNITS),
+        "What one privacy unit is. example: one row. user: all of a user's rows, sampled "
+        "together (dpcore.units.unit_batches); --num_examples and --batch_size then count "
+        "users and epsilon is per user (add/remove one user).",
     )
     flags.DEFINE_boolean(
         "poisson_assumption",
@@ -66,8 +81,13 @@ def compute(
     accountant: str,
     neighboring: str = "add_remove",
     poisson_assumption: bool = False,
+    privacy_unit: str = "example",
 ) -> dict[str, Any]:
-    """The result dict the CLI prints/writes (also usable from Python)."""
+    """The result dict the CLI prints/writes (also usable from Python).
+
+    `num_examples` and `batch_size` count privacy units (`privacy_unit`, e.g. users), and
+    the ε is per unit.
+    """
     from dpcore_accounting import DPConfig
 
     if (epochs is None) == (steps is None):
@@ -77,6 +97,8 @@ def compute(
             "give exactly one of --noise_multiplier or --target_epsilon, got "
             f"{noise_multiplier!r} and {target_epsilon!r}."
         )
+    if privacy_unit not in PRIVACY_UNITS:
+        raise ValueError(f"--privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}.")
     fields: dict[str, Any] = dict(
         l2_norm_clip=1.0,  # does not affect ε
         expected_batch_size=batch_size,
@@ -84,6 +106,7 @@ def compute(
         sampling=sampling,
         target_delta=delta,
         neighboring=neighboring,
+        privacy_unit=privacy_unit,
     )
     if target_epsilon is not None:
         config = DPConfig.calibrated(
@@ -109,6 +132,7 @@ def compute(
         "accountant": accountant,
         "sampling": config.sampling,
         "neighboring": config.neighboring,
+        "privacy_unit": config.privacy_unit,
         "target_epsilon": target_epsilon,
         "calibrated": target_epsilon is not None,
         "accounting": config.accounting_note(),
@@ -136,12 +160,15 @@ def format_result(result: dict[str, Any]) -> str:
     if result["sampling"] == "shuffle" and result["neighboring"] == "add_remove":
         # Fixed batch positions: one example's contribution added or zeroed, see ACCOUNTING.md.
         adjacency = "zero-out adjacency"
+    unit = result["privacy_unit"]
+    # Example-level ε keeps the plain "epsilon = ..." line; any other unit is named in it.
+    per, units = ("", "") if unit == "example" else (f" per {unit}", f" {unit}s")
     lines.append(
-        f"epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g} "
+        f"epsilon{per} = {result['epsilon']:.4f} at delta = {result['delta']:g} "
         f"({result['accountant'].upper()}, {adjacency})"
     )
     lines.append(
-        f"N = {result['num_examples']}, batch = {result['batch_size']:g}, "
+        f"N = {result['num_examples']}{units}, batch = {result['batch_size']:g}{units}, "
         f"q = {result['sampling_prob']:.6g}, steps = {result['steps']}, "
         f"epochs = {result['epochs']:.4g}, noise_multiplier = {result['noise_multiplier']:.6g}"
     )
@@ -179,6 +206,7 @@ def main(argv: list[str]) -> int:
                 accountant=FLAGS.accountant,
                 neighboring=FLAGS.neighboring,
                 poisson_assumption=FLAGS.poisson_assumption,
+                privacy_unit=FLAGS.privacy_unit,
             )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """experiments/epsilon.py (the `dpcore-epsilon` console script)."""
 
+import functools
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import dp_accounting
 import pytest
 from dpcore_experiments import epsilon as cli
 
@@ -72,6 +74,57 @@ def test_target_epsilon_prints_a_calibrated_noise_multiplier():
     )
     assert acc.compute_epsilon(event, target_delta=1e-5, accountant="rdp") > 2.0
     assert "calibrated" in cli.format_result(result)
+
+
+def test_user_unit_is_the_poisson_event_over_users_and_says_so():
+    """--privacy_unit=user: N and the batch count users; ε is dp-accounting's for that event."""
+    run = functools.partial(
+        cli.compute,
+        num_examples=5000,
+        batch_size=50,
+        epochs=None,
+        steps=2000,
+        delta=1e-5,
+        noise_multiplier=1.0,
+        target_epsilon=None,
+        sampling="poisson",
+        accountant="rdp",
+    )
+    result = run(privacy_unit="user")
+    # The same event built and composed by dp-accounting itself: each of the 5000 users
+    # joins each of the 2000 steps with probability 50 / 5000.
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 2000
+    )
+    direct = dp_accounting.rdp.RdpAccountant()
+    direct.compose(event)
+    assert result["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
+    example = run()
+    assert result["epsilon"] == example["epsilon"]  # the unit renames, it changes no number
+    assert result["privacy_unit"] == "user" and example["privacy_unit"] == "example"
+    assert "epsilon per user" in result["accounting"]
+    text = cli.format_result(result)
+    assert text.startswith(f"epsilon per user = {result['epsilon']:.4f} at delta = 1e-05")
+    assert "N = 5000 users, batch = 50 users" in text
+    assert "per user" not in cli.format_result(example)
+    with pytest.raises(ValueError, match="--privacy_unit"):
+        run(privacy_unit="device")
+
+
+def test_console_script_names_the_privacy_unit(tmp_path):
+    out = tmp_path / "eps.json"
+    args = ["--num_examples=5000", "--batch_size=50", "--steps=2000", "--noise_multiplier=1.0"]
+    done = subprocess.run(
+        _script() + args + ["--accountant=rdp", "--privacy_unit=user", f"--output_json={out}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["privacy_unit"] == "user" and "epsilon per user" in data["accounting"]
+    assert f"epsilon per user = {data['epsilon']:.4f} at delta = 1e-05" in done.stdout
+    assert data["num_examples"] == 5000 and data["sampling_prob"] == 0.01
 
 
 def test_compute_rejects_ambiguous_or_bad_input():
