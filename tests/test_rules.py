@@ -181,15 +181,14 @@ def test_conv_paths_follow_cost():
     assert rule.plan(mat.layers[0], [(None, 8, 8, 1)])[0] == "materialized"
 
 
-OFFSET_CASES = {  # >= 8 input channels and the materialized path: window-offset products
+OFFSET_CASES = {  # >= 8 input channels, stride 1, the materialized path: window-offset products
     "conv1d_same": (lambda: keras.layers.Conv1D(4, 3, padding="same", activation="tanh"), (9, 8)),
     "conv1d_causal_dilated": (
         lambda: keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2),
         (9, 8),
     ),
-    "conv1d_same_stride3": (lambda: keras.layers.Conv1D(4, 3, strides=3, padding="same"), (10, 8)),
-    "conv2d_same_stride": (
-        lambda: keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"),
+    "conv2d_same": (
+        lambda: keras.layers.Conv2D(3, 3, padding="same", activation="relu"),
         (7, 6, 8),
     ),
     "conv2d_valid_dilated": (lambda: keras.layers.Conv2D(3, (2, 3), dilation_rate=2), (7, 8, 8)),
@@ -207,8 +206,24 @@ def test_conv_offset_route(case, rng, monkeypatch):
     make, shape = OFFSET_CASES[case]
     model = _single(make(), shape)
     monkeypatch.setattr(conv, "_patches", _no_patches)
-    modes = MODES if case == "conv2d_same_stride" else FAST_MODES
+    modes = MODES if case == "conv2d_same" else FAST_MODES
     check_rule(model, *_data(model, 4, rng), modes=modes, expect_path="materialized")
+
+
+def test_conv_strided_many_channels_unfold_patches(rng, monkeypatch):
+    """Strided slices are slow to copy: >= 8 channels with a stride take the patches."""
+    from dpcore.rules import conv
+
+    seen = []
+    monkeypatch.setattr(conv, "_offset_per_example", lambda *a: seen.append("offsets"))
+    monkeypatch.setattr(conv, "_depthwise_per_example", lambda *a: seen.append("depthwise"))
+    for layer, shape in [
+        (keras.layers.Conv1D(4, 3, strides=3, padding="same"), (10, 8)),
+        (keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"), (7, 6, 8)),
+    ]:
+        model = _single(layer, shape)
+        check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
+    assert not seen
 
 
 def test_conv_offset_route_shared_layer(rng, monkeypatch):
@@ -263,12 +278,19 @@ def test_conv_depthwise_route_is_not_taken_under_xla(rng, monkeypatch):
 
 
 def test_conv_depthwise_route_shared_layer(rng, monkeypatch):
+    """Uses of one shape run as one stacked batch; uses of different shapes one at a time."""
     from dpcore.rules import conv
 
+    monkeypatch.setattr(conv, "_patches", _no_patches)
     layer = keras.layers.Conv2D(2, 3, padding="same", activation="tanh")  # T=25, D=18, P=2
     inputs = keras.Input((5, 5, 2))
     model = keras.Model(inputs, layer(layer(inputs)))
-    monkeypatch.setattr(conv, "_patches", _no_patches)
+    check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
+    shared = keras.layers.Conv2D(2, 3, strides=2, padding="valid")  # 7x7 and 9x9 inputs
+    big = keras.Input((9, 9, 1))
+    small = keras.layers.Lambda(lambda t: t[:, 1:-1, 1:-1])(big)
+    pooled = [keras.layers.Flatten()(shared(t)) for t in (big, small)]
+    model = keras.Model(big, keras.layers.Concatenate()(pooled))
     check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
 
 

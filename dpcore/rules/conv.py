@@ -5,14 +5,15 @@ layer's own kernel and bias (causal padding applied to the input first, as the l
 Per-example norms apply the ``A^T G`` math of :mod:`dpcore.rules.linear` (ghost or materialized
 by cost) with ``A`` the input patches, one row of ``kh*kw*C_in/groups`` values per output
 position. Materialized kernels of ungrouped convolutions are formed without unfolding the input
-where a faster route applies: with at least ``_MIN_OFFSET_CHANNELS`` input channels (and static
-spatial shapes) one kernel-window offset at a time, from strided slices of the input; with fewer
-input channels and at most ``_MAX_DEPTHWISE_CHANNELS_OUT`` filters (no dilation, equal strides,
-not under XLA) from one depthwise filter gradient per input channel with the examples as
-channels. Otherwise the input is unfolded with ``tf.image.extract_patches``. Strides, ``same``/``valid``/``causal`` padding, dilation,
-groups and both data formats are supported. The clipped kernel sum is a weighted sum of the
-materialized per-example kernels when they exist, else the convolution's own filter gradient
-(TensorFlow's backprop-filter kernel) with the clip-weighted output gradients as cotangent;
+where a faster route applies: with at least ``_MIN_OFFSET_CHANNELS`` input channels, stride 1
+and static spatial shapes, one kernel-window offset at a time from slices of the input; with
+fewer input channels and at most ``_MAX_DEPTHWISE_CHANNELS_OUT`` filters (no dilation, equal
+strides, not under XLA), from one depthwise filter gradient per input channel with the examples
+as channels. Otherwise the input is unfolded with ``tf.image.extract_patches``. Strides,
+``same``/``valid``/``causal`` padding, dilation, groups and both data formats are supported. The
+clipped kernel sum is a weighted sum of the materialized per-example kernels when they exist,
+else the convolution's own filter gradient (TensorFlow's backprop-filter kernel) with the
+clip-weighted output gradients as cotangent;
 several uses of one layer add their position sets together.
 """
 
@@ -117,7 +118,8 @@ def _dims(layer: Any) -> tuple[int, int, int, int]:
 
 
 # Below this many input channels (per group) the window-offset products are too thin to beat one
-# matmul over unfolded patches.
+# matmul over unfolded patches; so are strided ones, whose slices TensorFlow copies slowly (CPU,
+# batch 256, 8 channels: stride 1 up to 2.5x faster than the patches, stride 2 up to 5x slower).
 _MIN_OFFSET_CHANNELS = 8
 
 
@@ -202,10 +204,16 @@ def _depthwise_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
         ks, st = [1, *ks], [st[0], *st]
     if int(layer.groups) != 1 or any(int(d) != 1 for d in layer.dilation_rate) or st[0] != st[1]:
         return None  # (TensorFlow's depthwise filter gradient needs equal strides)
+    a_uses = [tf.cast(_channels_last(layer, u.capture["a"]), tf.float32) for u in uses]
+    g_uses = [tf.cast(_channels_last(layer, u.grad), tf.float32) for u in uses]
+    shapes = {(tuple(a.shape[1:]), tuple(g.shape[1:])) for a, g in zip(a_uses, g_uses)}
+    stacked = len(uses) > 1 and len(shapes) == 1 and None not in sum(shapes.pop(), ())
+    if stacked:
+        # Uses of one shape (e.g. the rows of privacy units) run as one batch of len(uses) * B
+        # examples; each example's kernel gradient is then the sum over its uses.
+        a_uses, g_uses = [tf.concat(a_uses, 0)], [tf.concat(g_uses, 0)]
     total = None
-    for u in uses:
-        a = tf.cast(_channels_last(layer, u.capture["a"]), tf.float32)
-        g = tf.cast(_channels_last(layer, u.grad), tf.float32)
+    for a, g in zip(a_uses, g_uses):
         if layer.rank == 1:
             a, g = a[:, None], g[:, None]
         b, c_in, c_out = tf.shape(a)[0], int(a.shape[-1]), int(g.shape[-1])
@@ -225,6 +233,8 @@ def _depthwise_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
         m = tf.transpose(tf.stack(parts, axis=3), [2, 0, 1, 3, 4])  # [B, kh, kw, C_in, C_out]
         m = tf.reshape(m, [-1, *layer.kernel.shape])
         total = m if total is None else total + m
+    if stacked:
+        total = tf.reduce_sum(tf.reshape(total, [len(uses), -1, *layer.kernel.shape]), axis=0)
     return total
 
 
@@ -243,7 +253,8 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     per_example = None  # [B, *kernel.shape], or a list of [B, C_in, P] (one per offset)
     if groups == 1 and path == "materialized":
         if cin_g >= _MIN_OFFSET_CHANNELS:
-            per_example = _offset_per_example(layer, uses)
+            if all(int(st) == 1 for st in layer.strides):
+                per_example = _offset_per_example(layer, uses)
         elif cout_g <= _MAX_DEPTHWISE_CHANNELS_OUT and not tracing_for_xla():
             # (XLA on CPU turns a depthwise convolution of B * C_out channels into a dense one:
             # 100x slower than its own lowering of the patches, which it compiles well.)
