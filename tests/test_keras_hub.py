@@ -20,12 +20,13 @@ keras_hub = pytest.importorskip(
 )
 
 import dpcore  # noqa: E402
-from dpcore.engine import ghost  # noqa: E402
+from dpcore.engine import ghost, graph  # noqa: E402
 from dpcore.engine.summary import prepare_batch  # noqa: E402
 from dpcore.explain import explain  # noqa: E402
 from dpcore.losses import per_example_loss_fn  # noqa: E402
 from dpcore.options import ExecutionOptions  # noqa: E402
 from dpcore.rules import default_registry  # noqa: E402
+from dpcore.rules.keras_hub import replay_cached_attention, replay_transformer_decoder  # noqa: E402
 from dpcore.testing import assert_sq_norm_bound, reference_per_example_gradients  # noqa: E402
 
 RTOL = 1e-5
@@ -34,9 +35,10 @@ MSE = keras.losses.MeanSquaredError(reduction=None)
 H = keras_hub.layers
 
 
-def _summary(model, loss, x, y, sw, mask, weights, mode):
+def _summary(model, loss, x, y, sw, mask, weights, mode, rules=None):
     loss_fn = per_example_loss_fn(loss)
     paths: dict = {}
+    y_pred: list = []
 
     def step(x, y, sw, mask, weights):
         xp, yp, swp, mkp = prepare_batch(x, y, sw, mask)
@@ -48,25 +50,30 @@ def _summary(model, loss, x, y, sw, mask, weights, mode):
             swp,
             mkp,
             model.trainable_variables,
-            options=ExecutionOptions(training=False),
+            options=ExecutionOptions(training=False, rules=rules),
         )
         paths.update(s.paths)
-        return s.sq_norms, s.weighted_sum(weights)
+        return s.sq_norms, s.weighted_sum(weights), s.y_pred
 
     if mode != "eager":
         step = tf.function(step, jit_compile=(mode == "jit"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a whole-model fallback fails the test
-        sq, sums = step(x, y, sw, mask, weights)
-    return np.asarray(sq), [np.asarray(t) for t in sums], paths
+        sq, sums, y_pred = step(x, y, sw, mask, weights)
+    return np.asarray(sq), [np.asarray(t) for t in sums], paths, np.asarray(y_pred)
 
 
 MODES = ("eager", "function", "jit")  # jit: tf.function(jit_compile=True), i.e. XLA
 TRACED = ("eager", "function")  # the task models: their XLA compiles are a slow test of their own
 
 
-def check(model, x, y, loss=SPARSE_CE, *, modes=MODES, per_layer_fallback=False):
-    """Fast norms and clipped sums == reference, with sample weights and a padding example."""
+def check(
+    model, x, y, loss=SPARSE_CE, *, modes=MODES, per_layer_fallback=False, outputs=None, rules=None
+):
+    """Fast norms and clipped sums == reference, with sample weights and a padding example.
+
+    ``outputs``, a dict, receives the model's output as the fast path computed it, per mode;
+    ``rules`` are extra layer rules (``ExecutionOptions(rules=...)``)."""
     b = tf.nest.flatten(x)[0].shape[0]
     sw = np.linspace(0.5, 1.5, b).astype("float32")
     mask = np.ones(b, "float32")
@@ -80,7 +87,9 @@ def check(model, x, y, loss=SPARSE_CE, *, modes=MODES, per_layer_fallback=False)
     # exactly-zero gradient and only round-off noise).
     scale = max(np.abs(w).max() for w in ref_sums)
     for mode in modes:
-        sq, sums, paths = _summary(model, loss, x, y, sw, mask, weights, mode)
+        sq, sums, paths, y_pred = _summary(model, loss, x, y, sw, mask, weights, mode, rules)
+        if outputs is not None:
+            outputs[mode] = y_pred
         assert_sq_norm_bound(sq, ref_sq, rtol=RTOL, atol=1e-7 * ref_sq.max(), err_msg=mode)
         for j, (got, want) in enumerate(zip(sums, ref_sums)):
             np.testing.assert_allclose(
@@ -152,6 +161,165 @@ def test_transformer_decoder_without_causal_mask_normalize_first(rng):
     model = keras.Model(dec_in, keras.layers.Dense(2)(h))
     x = rng.normal(size=(b, t, d)).astype("float32")
     check(model, x, rng.normal(size=(b, t, 2)).astype("float32"), MSE)
+
+
+# KerasHub's cached calls return ``(output, cache)``, but the layers declare a single symbolic
+# output, so no Functional model can hold one. These subclasses only declare both outputs (the call
+# is KerasHub's own); ``ExecutionOptions(rules=...)`` gives them the built-in rules.
+
+
+class _CachedDecoder(H.TransformerDecoder):
+    def compute_output_spec(self, decoder_sequence, *args, self_attention_cache=None, **kwargs):
+        x = keras.KerasTensor(decoder_sequence.shape, decoder_sequence.dtype)
+        if self_attention_cache is None:
+            return x
+        return x, keras.KerasTensor(self_attention_cache.shape, self_attention_cache.dtype)
+
+
+class _CachedAttention(H.CachedMultiHeadAttention):
+    def compute_output_spec(self, query, value, key=None, cache=None, **kwargs):
+        kwargs.pop("cache_update_index", None)
+        out = super().compute_output_spec(query, value, key, **kwargs)
+        return out if cache is None else (out, keras.KerasTensor(cache.shape, cache.dtype))
+
+
+CACHED_RULES = {
+    _CachedDecoder: default_registry()[H.TransformerDecoder],
+    _CachedAttention: default_registry()[H.CachedMultiHeadAttention],
+}
+
+
+def _plain_call(layer, args, kwargs):
+    """A replay's ``call`` that runs each sub-layer as it is (no recording)."""
+    return layer(*args, **kwargs)
+
+
+def _cache(rng, b, length, heads, key_dim):
+    """A key/value cache ``[B, 2, length, heads, key_dim]`` holding earlier steps' projections."""
+    return rng.normal(size=(b, 2, length, heads, key_dim)).astype("float32")
+
+
+def _cached_decoder_model(t, d, heads, length, index):
+    """A decoder step over a ``[B, 2, length, heads, d // heads]`` self-attention cache; the output
+    is the head's logits and the returned cache, flattened side by side."""
+    dec_in, cache_in = keras.Input((t, d)), keras.Input((2, length, heads, d // heads))
+    decoder = _CachedDecoder(12, heads, name="dec")
+    h, new_cache = decoder(
+        dec_in, self_attention_cache=cache_in, self_attention_cache_update_index=index
+    )
+    out = keras.layers.Concatenate()(
+        [keras.layers.Flatten()(keras.layers.Dense(4)(h)), keras.layers.Flatten()(new_cache)]
+    )
+    return keras.Model([dec_in, cache_in], out), decoder
+
+
+def _check_replay_outputs(decoder, x, index, want_h, want_cache):
+    """The decoder's replay, sub-layers called as they are: the layer's structure and values."""
+    kwargs = {"self_attention_cache": x[1], "self_attention_cache_update_index": index}
+    got_h, got_cache = replay_transformer_decoder(decoder, (x[0],), kwargs, _plain_call)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_cache, want_cache, rtol=1e-6, atol=1e-6)
+
+
+def test_transformer_decoder_reading_a_self_attention_cache(rng):
+    """``self_attention_cache`` without an update index: the queries attend to the cached keys and
+    values (causal from position 0), which come back unchanged; the key and value projections are
+    not used."""
+    b, t, d, heads, length = 4, 3, 8, 2, 5
+    model, decoder = _cached_decoder_model(t, d, heads, length, None)
+    x = [rng.normal(size=(b, t, d)).astype("float32"), _cache(rng, b, length, heads, d // heads)]
+    y = rng.normal(size=(b, model.output.shape[-1])).astype("float32")
+    fast: dict = {}
+    paths = check(model, x, y, MSE, modes=TRACED, outputs=fast, rules=CACHED_RULES)
+    assert "dec/self_attention/query" in paths and "dec/self_attention/key" not in paths, paths
+    want_h, want_cache = decoder(x[0], self_attention_cache=x[1])
+    np.testing.assert_array_equal(want_cache, x[1])
+    want = np.asarray(model(x))
+    for mode, got in fast.items():  # the fast path's model output (the padding row is zeroed)
+        np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-6, atol=1e-6, err_msg=mode)
+    _check_replay_outputs(decoder, x, None, want_h, want_cache)
+
+
+def test_transformer_decoder_replay_refuses_one_cache_of_two(rng):
+    """With cross-attention, both caches or neither: the replay raises the layer's own error."""
+    b, t, s, d = 2, 3, 4, 8
+    decoder = H.TransformerDecoder(8, 2, name="dec")
+    dec, enc = rng.normal(size=(b, t, d)), rng.normal(size=(b, s, d))
+    decoder(dec, enc)  # builds the cross-attention
+    kwargs = {
+        "self_attention_cache": _cache(rng, b, 5, 2, 4),
+        "self_attention_cache_update_index": 0,
+    }
+    with pytest.raises(ValueError, match="should both be set"):
+        decoder(dec, enc, **kwargs)
+    with pytest.raises(ValueError, match="should both be set"):
+        replay_transformer_decoder(decoder, (dec, enc), kwargs, _plain_call)
+
+
+def _replay(model, rules):
+    """``x -> model(x)`` with every composition replayed by its rule (nothing recorded)."""
+    registry = ExecutionOptions(rules=rules).layer_rules()
+
+    def layer_fn(layer, args, kwargs):
+        rule = registry.get(type(layer))
+        if rule is not None and rule.compose is not None:
+            return rule.compose(layer, args, kwargs, layer_fn)
+        return layer(*args, **kwargs)
+
+    return lambda x: graph.run(model, x, training=False, layer_fn=layer_fn)
+
+
+def test_transformer_decoder_cache_update_step_replays_the_layer(rng):
+    """A cached decoding step: T new tokens' keys and values written into the cache at an index,
+    the queries attending to the cached keys before them. The replay (the decoder's and its
+    attention's, nested) must mask, update and return the cache as the layer does.
+
+    TensorFlow has no gradient for the update (``keras.ops.slice_update`` is
+    ``XlaDynamicUpdateSlice``), so the model itself cannot be differentiated through the new keys
+    and values, nor checked against the reference: this step is inference only."""
+    b, t, d, heads, length, index = 4, 3, 8, 2, 7, 2
+    model, decoder = _cached_decoder_model(t, d, heads, length, index)
+    x = [rng.normal(size=(b, t, d)).astype("float32"), _cache(rng, b, length, heads, d // heads)]
+    want_h, want_cache = decoder(
+        x[0], self_attention_cache=x[1], self_attention_cache_update_index=index
+    )
+    want_cache = np.asarray(want_cache)
+    assert not np.array_equal(want_cache, x[1])  # the step wrote keys and values ...
+    np.testing.assert_array_equal(want_cache[:, :, :index], x[1][:, :, :index])  # ... from index
+    want = np.asarray(model(x))
+    np.testing.assert_array_equal(want[:, t * 4 :], want_cache.reshape(b, -1))
+    for mode in TRACED:
+        replay = _replay(model, CACHED_RULES)
+        replay = replay if mode == "eager" else tf.function(replay)
+        got = np.asarray(replay([tf.constant(v) for v in x]))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=mode)
+    _check_replay_outputs(decoder, x, index, want_h, want_cache)
+    with pytest.raises(LookupError, match="XlaDynamicUpdateSlice"):
+        reference_per_example_gradients(model, MSE, x, np.zeros_like(want))
+
+
+def test_cached_attention_reading_a_cache_without_update(rng):
+    """``cache_update_index=None``: keys and values come from the cache alone, so the key and
+    value projections are not used and get no gradient; query and output projections do."""
+    b, t, d, heads, length = 4, 3, 8, 2, 5
+    q_in, cache_in = keras.Input((t, d)), keras.Input((2, length, heads, 4))
+    attention = _CachedAttention(heads, 4, name="att")
+    h, _ = attention(q_in, q_in, cache=cache_in)
+    model = keras.Model([q_in, cache_in], keras.layers.Dense(3)(h))
+    x = [rng.normal(size=(b, t, d)).astype("float32"), _cache(rng, b, length, heads, 4)]
+    fast: dict = {}
+    paths = check(model, x, rng.integers(0, 3, (b, t)), outputs=fast, rules=CACHED_RULES)
+    assert paths["att/query"] in ("ghost", "materialized") and "att/key" not in paths, paths
+    want = np.asarray(model(x))
+    for mode, got in fast.items():  # the fast path's model output (the padding row is zeroed)
+        np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-6, atol=1e-6, err_msg=mode)
+    want_h, want_cache = attention(x[0], x[0], cache=x[1])
+    got_h, got_cache = replay_cached_attention(
+        attention, (x[0], x[0]), {"cache": x[1]}, _plain_call
+    )
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got_cache, want_cache)
+    np.testing.assert_array_equal(got_cache, x[1])  # read only: the cache comes back unchanged
 
 
 def _tied_lm(vocab, dim, t, **embedding_kwargs):

@@ -262,7 +262,11 @@ TOKEN_AND_POSITION_EMBEDDING = LayerRule(
 
 def replay_cached_attention(layer: Any, args: tuple, kwargs: dict, call: Call) -> Any:
     """``CachedMultiHeadAttention.call`` with its projections routed through ``call``: the key/value
-    cache is read and updated as the layer does; the attention core (softmax, dropout) runs once."""
+    cache is read and updated as the layer does; the attention core (softmax, dropout) runs once.
+
+    The update (``keras.ops.slice_update``) has no TensorFlow gradient, as in the layer itself: a
+    step that writes the cache is differentiable only where nothing trainable feeds the new keys
+    and values (reading a cache, ``cache_update_index=None``, is differentiable)."""
     a = _arguments(layer, args, kwargs)
     query, value = a["query"], a["value"]
     key = value if a.get("key") is None else a["key"]
@@ -407,9 +411,11 @@ def replay_transformer_decoder(layer: Any, args: tuple, kwargs: dict, call: Call
     training = a.get("training")
     parts = graph.transformer_parts(layer)
     cross = parts["cross_attention_layer"]
-    if (cross is None) != (encoder is None):
-        return layer.call(*args, **kwargs)  # the layer raises its own error for this misuse
     self_cache, cross_cache = a.get("self_attention_cache"), a.get("cross_attention_cache")
+    if (cross is None) != (encoder is None) or (
+        cross is not None and (self_cache is None) != (cross_cache is None)
+    ):
+        return layer.call(*args, **kwargs)  # the layer raises its own error for this misuse
     self_mask = graph.decoder_self_attention_mask(
         layer,
         decoder_sequence=decoder,
