@@ -388,3 +388,21 @@ def test_unit_fit_rows_clip_each_unit_once_over_the_same_rows(method):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * scale, err_msg=method)
     row = benchmark.measure("mlp", method, rows, steps=2, warmup=1)
     assert row["median_ms"] > 0 and np.isfinite(row["final_loss"])
+
+
+def test_interleaved_fit_times_every_method_against_keras_fit():
+    from dpcore_experiments import interleaved_fit
+
+    rows = interleaved_fit.measure(
+        "mlp", 8, ["make_private_fit", "make_private_fit_user8"], rounds=2, warmup=1
+    )
+    assert [r["method"] for r in rows] == [
+        "nonprivate",
+        "make_private_fit",
+        "make_private_fit_user8",
+    ]
+    assert rows[0]["ratio_to_nonprivate"] == 1.0
+    for r in rows:
+        assert r["rounds"] == 2 and 0 < r["min_ms"] <= r["median_ms"]
+    table = interleaved_fit.markdown(rows)
+    assert table.count("\n") == len(rows) + 1 and "make_private_fit_user8" in table
