@@ -5,6 +5,9 @@ row per layer: its name, class, path (``"ghost"``, ``"materialized"``, ``"fallba
 ``"no variables"``, ``"frozen"``) and why. The paths are those the engine
 (:func:`dpcore.engine.summarize`) takes for the same model and :class:`dpcore.ExecutionOptions`
 (its layer rules, and a ``method``/``chunk_size`` that selects the vectorized path).
+A layer that a composition calls from inside (e.g. the tied ``token_embedding`` whose reverse
+projection a KerasHub ``MaskedLMHead`` calls) and that the graph also calls is one layer with
+several uses in the engine: its row plans all of them and names the compositions that call it.
 """
 
 from __future__ import annotations
@@ -78,6 +81,53 @@ def _row(layer: Any, shapes: list, registry: Registry) -> LayerPath:
     return LayerPath(layer.name, cls, path, why)
 
 
+def _parts(layer: Any, registry: Registry) -> list[Any]:
+    """The layers a composition's rule calls through the engine: its sub-layers, and theirs where
+    they compose too."""
+    out = []
+    for sub in graph.sublayers(layer):
+        out.append(sub)
+        rule, _ = lookup(registry, sub)
+        if rule is not None and rule.compose is not None:
+            out.extend(_parts(sub, registry))
+    return out
+
+
+def _unknown_positions(shape: Any) -> Any:
+    """``[B, ..., C]`` with its positions unknown: how many a composition feeds a part it calls
+    (e.g. the gathered mask positions of a head) is not in the graph."""
+    if shape is None or len(shape) < 3:
+        return shape
+    return (shape[0], *([None] * (len(shape) - 2)), shape[-1])
+
+
+def _inner_uses(order: list[Any], shapes: dict[int, list], registry: Registry) -> dict[int, list]:
+    """``{id(layer): [(composition, input shape), ...]}`` for every layer that the graph calls and
+    a composition calls too, from inside: the engine records those calls as uses of the one layer
+    (tied weights), so its row plans them together."""
+    leaves = {id(layer) for layer in order}
+    uses: dict[int, list] = {}
+    for layer in order:
+        rule, _ = lookup(registry, layer)
+        if rule is None or rule.compose is None:
+            continue
+        for sub in _parts(layer, registry):
+            if id(sub) in leaves:
+                calls = [(layer, _unknown_positions(shape)) for shape in shapes[id(layer)]]
+                uses.setdefault(id(sub), []).extend(calls)
+    return uses
+
+
+def _shared_row(layer: Any, shapes: list, inner: list, registry: Registry) -> LayerPath:
+    """The row of a layer also called from inside compositions (``inner``): its plan over every
+    use, and which compositions call it."""
+    row = _row(layer, shapes + [shape for _, shape in inner], registry)
+    callers = ", ".join(
+        dict.fromkeys(f"{c.name!r} ({type(c).__name__})" for c, _ in inner)
+    )  # each once, in graph order
+    return dataclasses.replace(row, why=f"{row.why}; also called inside {callers}")
+
+
 def _vectorized_by_options(options: ExecutionOptions) -> str | None:
     """Why ``options`` select the vectorized path for the whole model (as ``summarize`` does)."""
     if options.method == "vectorized":
@@ -138,5 +188,11 @@ def explain(
             order.append(layer)
             shapes[id(layer)] = []
         shapes[id(layer)].append(input_shapes[0] if input_shapes else None)
-    rows = tuple(_row(layer, shapes[id(layer)], registry) for layer in order)
+    inner = _inner_uses(order, shapes, registry)
+    rows = tuple(
+        _shared_row(layer, shapes[id(layer)], inner[id(layer)], registry)
+        if id(layer) in inner
+        else _row(layer, shapes[id(layer)], registry)
+        for layer in order
+    )
     return Explanation(model=name, rows=rows)

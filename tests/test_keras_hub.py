@@ -380,6 +380,11 @@ def test_token_and_position_embedding_tied_to_output_projection(rng):
     assert explain(model).whole_model_fallback is None
     paths = check(model, _ids(rng, 4, t, vocab), rng.integers(0, vocab, (4, t)))
     assert "tpe/token_embedding" in paths and "token_embedding" not in paths
+    # explain plans the lookup (inside the composition) and the projection together.
+    table = next(r for r in explain(model).rows if r.name == "token_embedding")
+    assert table.path == paths["tpe/token_embedding"], (table, paths)
+    assert table.why.startswith("tied table, lookup and reverse projection"), table
+    assert table.why.endswith("also called inside 'tpe' (TokenAndPositionEmbedding)"), table
     # Without the composition the two layers would each claim the table: whole-model fallback.
     registry = {k: v for k, v in default_registry().items() if k is not H.TokenAndPositionEmbedding}
     assert "tied weights" in ghost.fallback_reason(model, registry=registry)
@@ -473,6 +478,10 @@ def test_bert_masked_lm_head_ties_to_the_token_embedding(rng):
     rows = {r.name: r for r in report.rows}
     assert "fallback:vectorized" not in {r.path for r in report.rows}, str(report)
     assert "tied 'token_embedding'" in rows["mlm_head"].why, str(report)
+    # The table's row plans both uses (not the lookup alone) and names the head that projects.
+    table = rows["token_embedding"]
+    assert table.why.startswith("tied table, lookup and reverse projection as one A^T G"), table
+    assert table.why.endswith("also called inside 'mlm_head' (MaskedLMHead)"), table
     x, y = _bert_mlm_batch(rng)
     x["mask_positions"][0] = [1, 1, 2]  # a position masked twice: its rows add up
     paths = check(model, x, y, modes=TRACED)
@@ -480,6 +489,7 @@ def test_bert_masked_lm_head_ties_to_the_token_embedding(rng):
     assert head <= set(paths) and "token_embedding" in paths, paths
     # The tied table's two uses are summed by one rule: no "mlm_head/token_embedding" row.
     assert not any(k.endswith("/token_embedding") for k in paths), paths
+    assert paths["token_embedding"] == table.path, (paths, table)
 
 
 def test_bert_classifier_matches_reference(rng):

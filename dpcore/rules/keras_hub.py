@@ -36,6 +36,7 @@ Contract:
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -159,7 +160,6 @@ def _is_reverse_shape(layer: Any, shape: Any) -> bool:
 
 def _reversible_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
     reverse = [s for s in input_shapes if _is_reverse_shape(layer, s)]
-    lookups = len(input_shapes) - len(reverse)
     if not reverse:
         return "ghost", "same-id sums of output gradients (sorted segments), no [B, vocab, dim]"
     t: int | None = 0
@@ -169,8 +169,10 @@ def _reversible_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]
     if not layer.tie_weights:
         path, why = linear.choose_path(t, layer.output_dim, layer.input_dim)
         return path, f"lookups: same-id sums; untied reverse kernel: {why}"
-    if lookups:
-        t = None  # the lookups' positions add to the projection's; not known statically here
+    for s in input_shapes:  # the lookups' positions (every id of each) add to the projection's
+        if not _is_reverse_shape(layer, s):
+            n = None if s is None or None in s[1:] else math.prod(s[1:])
+            t = None if (t is None or n is None) else t + n
     path, why = linear.choose_path(t, layer.input_dim, layer.output_dim)
     return path, f"tied table, lookup and reverse projection as one A^T G: {why}"
 
