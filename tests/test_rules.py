@@ -261,6 +261,24 @@ def test_conv_depthwise_route(case, rng, monkeypatch):
     check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
 
 
+@pytest.mark.parametrize("examples_per_chunk", [1, 3])
+def test_conv_depthwise_route_in_chunks(examples_per_chunk, rng, monkeypatch):
+    """A batch larger than a chunk runs in chunks (the last one shorter): same result."""
+    from dpcore.rules import conv
+
+    make, shape = DEPTHWISE_CASES["conv2d_same_stride"]  # 4 filters
+    monkeypatch.setattr(conv, "_DEPTHWISE_CHANNELS", 4 * examples_per_chunk)
+    calls = []
+    kernels = conv._depthwise_kernels
+    monkeypatch.setattr(
+        conv, "_depthwise_kernels", lambda a, *r: calls.append(a.shape[0]) or kernels(a, *r)
+    )
+    monkeypatch.setattr(conv, "_patches", _no_patches)
+    model = _single(make(), shape)
+    check_rule(model, *_data(model, 4, rng), modes=("eager",), expect_path="materialized")
+    assert calls and max(calls) <= examples_per_chunk, calls
+
+
 def test_conv_depthwise_route_is_not_taken_under_xla(rng, monkeypatch):
     """XLA compiles the patches well and a depthwise gradient of B * C_out channels badly."""
     from dpcore.rules import base, conv
