@@ -46,10 +46,12 @@ __all__ = [
     "TF32_ROUNDOFF",
     "dot_gamma",
     "ghost_sq_norm_bound",
+    "gram_sq_norm_bound",
     "matmul_input_roundoff",
     "outer_sq_norm_bound",
     "row_scale",
     "rows_sq_norm",
+    "scale_rows",
     "sq_norm_bound",
     "sum_of_norms",
     "triangle_bound",
@@ -200,25 +202,76 @@ def ghost_sq_norm_bound(
     Privacy:
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
-    a = tf.cast(a, tf.float32)
-    g = tf.cast(g, tf.float32)
     d, p = a.shape[-1], g.shape[-1]
-    t = _positions(a)
     # Per-example scale to magnitude ~1 (one reciprocal per example, then a multiply): nothing
     # below overflows or flushes to zero. NaN rows stay NaN (reduce_max propagates NaN), infinite
     # rows become NaN after scaling.
     if a_scale is None:
-        ma = tf.reduce_max(tf.abs(a), axis=[1, 2])
-        sa = tf.where(ma > 0, ma, tf.ones_like(ma))
-        ap = a * (1.0 / sa)[:, None, None]
+        ap, sa, ma = scale_rows(a)
     else:
         ma = sa = tf.cast(a_scale, tf.float32)
-        ap = a
-    mg = tf.reduce_max(tf.abs(g), axis=[1, 2])
-    sg = tf.where(mg > 0, mg, tf.ones_like(mg))
-    gp = g * (1.0 / sg)[:, None, None]
+        ap = tf.cast(a, tf.float32)
+    gp, sg, mg = scale_rows(g)
     aa = tf.matmul(ap, ap, transpose_b=True)  # [B, T, T] float32
     gg = tf.matmul(gp, gp, transpose_b=True)
+    return gram_sq_norm_bound(
+        aa, gg, d=d, p=p, a_scale=sa, g_scale=sg, a_max=ma, g_max=mg, contribution=contribution
+    )
+
+
+def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(g / s, s, m)`` for ``g [B, T, P]``: each example divided by its largest magnitude ``m``
+    (``s = m``, or 1 for an all-zero example; one float32 reciprocal per example, then a product),
+    as :func:`gram_sq_norm_bound` expects its operands. NaN rows stay NaN, infinite rows become
+    NaN."""
+    g = tf.cast(g, tf.float32)
+    m = tf.reduce_max(tf.abs(g), axis=[1, 2])
+    s = tf.where(m > 0, m, tf.ones_like(m))
+    return g * (1.0 / s)[:, None, None], s, m
+
+
+def gram_sq_norm_bound(
+    aa: tf.Tensor,
+    gg: tf.Tensor,
+    *,
+    d: int,
+    p: int,
+    a_scale: tf.Tensor,
+    g_scale: tf.Tensor,
+    a_max: tf.Tensor,
+    g_max: tf.Tensor,
+    contribution: bool = True,
+) -> tf.Tensor:
+    """The certified bound of :func:`ghost_sq_norm_bound`, from the Gram matrices themselves.
+
+    For a layer whose Gram matrices are cheaper to form from structure than by a matmul (e.g. a
+    tied embedding, whose lookup rows are one-hot): ``aa [B, T, T]`` and ``gg [B, T, T]`` are the
+    float32 Gram matrices of the example's operands after :func:`scale_rows` (divided by
+    ``a_scale`` and ``g_scale``), each entry computed from those scaled operands with an error of
+    at most ``dot_gamma(d)`` (``dot_gamma(p)``) times the product of the two rows' norms, as a
+    float32 dot product of length ``d`` (``p``) has in any summation order (an entry that is one
+    rounded product, or exact, qualifies).
+
+    Args:
+      aa: ``[B, T, T]`` Gram of the scaled inputs ``A_i / a_scale_i`` (rows of length ``d``).
+      gg: ``[B, T, T]`` Gram of the scaled output gradients ``G_i / g_scale_i`` (length ``p``).
+      d: length of the input rows (static).
+      p: length of the output-gradient rows (static).
+      a_scale: ``[B]`` float32 divisor of each example's inputs (largest magnitude, 1 for zero).
+      g_scale: ``[B]`` float32 divisor of its output gradients.
+      a_max: ``[B]`` largest magnitude of the inputs (NaN or Inf for a non-finite example).
+      g_max: ``[B]`` largest magnitude of the output gradients.
+      contribution: also bound the rounding of the book-keeping product over the example's
+        ``T`` positions that forms the clipped sum.
+
+    Returns:
+      float64 ``[B]``; non-finite when an example's operands are.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
+    """
+    t = _positions(aa)
+    ma, mg, sa, sg = a_max, g_max, a_scale, g_scale
     ga, gp_ = _static_dot_gamma(d), _static_dot_gamma(p)
     # Upper bounds of the scaled rows' norms, from the (non-negative) diagonal sums ([B, T]).
     na = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(aa), tf.float64), 0.0) * (1.0 + ga))

@@ -331,7 +331,7 @@ def _tied_lm(vocab, dim, t, **embedding_kwargs):
 
 @pytest.mark.parametrize(
     "vocab,dim,t,path",
-    [(40, 8, 6, "materialized"), (200, 32, 3, "ghost")],
+    [(40, 4, 10, "materialized"), (40, 8, 6, "ghost"), (200, 32, 3, "ghost")],
 )
 def test_reversible_embedding_tied_sums_both_uses(vocab, dim, t, path, rng):
     """Lookup and output projection of one table: the norm is that of their sum (cross terms)."""
@@ -340,6 +340,21 @@ def test_reversible_embedding_tied_sums_both_uses(vocab, dim, t, path, rng):
     x[0, :2] = 7  # repeated ids: same-row terms of the lookup
     paths = check(model, x, rng.integers(0, vocab, (4, t)))
     assert paths["tied"] == path
+
+
+@pytest.mark.parametrize("t,path", [(6, "ghost"), (10, "materialized")])
+def test_reversible_embedding_tied_extreme_record_is_clipped(t, path, rng):
+    """A record with huge logit gradients and one id at every position stays within C."""
+    from tests.test_certified_norms import _check_record
+
+    vocab, dim = 40, 8 if path == "ghost" else 4
+    model, _ = _tied_lm(vocab, dim, t)
+    assert {r.name: r.path for r in explain(model).rows}["tied"] == path
+    x = _ids(rng, 3, t, vocab)
+    x[0] = 5
+    y = rng.normal(size=(3, t, vocab)).astype("float32")
+    y[0] = 1e15 * np.where(np.arange(vocab) % 2, 1.0, -1.0)
+    _check_record(model, x, y, methods=("fast",))
 
 
 def test_reversible_embedding_soft_cap_and_mask_zero(rng):

@@ -44,6 +44,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from dpcore import norms
 from dpcore.engine import graph
 from dpcore.rules import linear
 from dpcore.rules.attention import MULTI_HEAD_ATTENTION
@@ -124,7 +125,7 @@ def _outer(variable: Any, a: tf.Tensor, g: tf.Tensor) -> VariableGrad:
 
 
 def _reversible_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
-    vocab, dim = int(layer.input_dim), int(layer.output_dim)
+    dim = int(layer.output_dim)
     lookups = [u for u in uses if not u.capture["reverse"]]
     projections = [u for u in uses if u.capture["reverse"]]
     ids = g = h = dlogits = None
@@ -147,10 +148,79 @@ def _reversible_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         return [id_rows_grad(table, ids, g)]
     if ids is None:
         return [_outer(table, dlogits, h)]  # [vocab, dim] = dlogits^T H
-    # Both uses of the tied table: the lookup is a linear map of one-hot rows (exact in float32),
-    # so the example's whole gradient is [onehot; dlogits]^T [G; H], cross terms included.
-    a = tf.concat([tf.one_hot(ids, vocab, dtype=tf.float32), dlogits], 1)
-    return [_outer(table, a, tf.concat([g, h], 1))]
+    return [_tied_grad(table, ids, g, dlogits, h)]
+
+
+def _tied_path(lookups: int | None, projections: int | None, vocab: int, dim: int) -> str:
+    """Ghost (Gram blocks, :func:`_tied_grad`) or materialized ``[B, vocab, dim]``, by cost."""
+    if lookups is None or projections is None:
+        return "ghost"
+    t = lookups + projections
+    ghost = projections * projections * vocab + t * t * dim
+    return "ghost" if ghost <= t * vocab * dim else "materialized"
+
+
+def _tied_grad(
+    table: Any, ids: tf.Tensor, g: tf.Tensor, dlogits: tf.Tensor, h: tf.Tensor
+) -> VariableGrad:
+    """The tied table's gradient info: lookups at ``ids [B, L]`` with output gradients
+    ``g [B, L, dim]`` and the projection of ``h [B, P, dim]`` with logit gradients
+    ``dlogits [B, P, vocab]``.
+
+    The example's gradient is ``A^T [G; H]`` with ``A = [onehot(ids); dlogits]`` (cross terms
+    between the uses included), never formed: on the ghost path the Gram matrix of ``A``'s
+    (scaled) rows is assembled from blocks, the one-hot block by comparing ids, the cross block by
+    gathering the logit gradients at the ids (one rounded product each) and only the logit block
+    by a matmul over the vocabulary; :func:`dpcore.norms.gram_sq_norm_bound` certifies the norm.
+    The materialized path forms ``[B, vocab, dim]`` as ``dlogits^T H`` plus the lookups' rows
+    added at their ids. Neither holds a ``[B, L + P, vocab]`` one-hot operand; the clipped sum is a
+    segment sum of the weighted lookup gradients plus one weighted product over the positions.
+
+    Privacy:
+      Row ``i`` of the norms depends on example ``i`` only, and bounds what the clipped sum adds.
+    """
+    vocab, dim = int(table.shape[0]), int(table.shape[1])
+    b = tf.shape(ids)[0]
+    path = _tied_path(ids.shape[1], dlogits.shape[1], vocab, dim)
+    if path == "materialized":
+        per_example = linear.materialize(dlogits, h)  # [B, vocab, dim]
+        rows = tf.broadcast_to(tf.range(b, dtype=ids.dtype)[:, None], tf.shape(ids))
+        per_example = tf.tensor_scatter_nd_add(per_example, tf.stack([rows, ids], -1), g)
+        return from_per_example(table, per_example, path=path)
+    # Scale each example to magnitude 1 as dpcore.norms.scale_rows does for a dense A: the one-hot
+    # entries are 1, so the scale is max(1, max |dlogits|) and the lookup rows become r * onehot.
+    m = tf.reduce_max(tf.abs(dlogits), axis=[1, 2])
+    ma = tf.where(tf.math.is_nan(m), m, tf.maximum(m, 1.0))
+    r = 1.0 / ma  # [B]; the one-hot rows scaled: fl(1 * r) = r
+    dl = dlogits * r[:, None, None]
+    r2 = (r * r)[:, None, None]
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32) * r2  # [B, L, L]
+    cross = tf.transpose(tf.gather(dl, ids, axis=2, batch_dims=1), [0, 2, 1]) * r[:, None, None]
+    logits_block = tf.matmul(dl, dl, transpose_b=True)  # [B, P, P]
+    aa = tf.concat(
+        [
+            tf.concat([same, cross], 2),
+            tf.concat([tf.transpose(cross, [0, 2, 1]), logits_block], 2),
+        ],
+        1,
+    )
+    gp, sg, mg = norms.scale_rows(tf.concat([g, h], 1))
+    gg = tf.matmul(gp, gp, transpose_b=True)
+    sq = norms.gram_sq_norm_bound(
+        aa, gg, d=vocab, p=dim, a_scale=ma, g_scale=sg, a_max=ma, g_max=mg, contribution=True
+    )
+
+    def weighted_sum(w: tf.Tensor) -> tf.Tensor:
+        w = tf.reshape(tf.cast(w, tf.float32), [-1, 1, 1])
+        looked_up = tf.math.unsorted_segment_sum(
+            tf.reshape(g * w, [-1, dim]), tf.reshape(ids, [-1]), vocab
+        )
+        projected = tf.matmul(
+            tf.reshape(dlogits, [-1, vocab]), tf.reshape(h * w, [-1, dim]), transpose_a=True
+        )
+        return tf.cast(looked_up + projected, table.dtype)
+
+    return VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")
 
 
 def _is_reverse_shape(layer: Any, shape: Any) -> bool:
@@ -169,12 +239,28 @@ def _reversible_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]
     if not layer.tie_weights:
         path, why = linear.choose_path(t, layer.output_dim, layer.input_dim)
         return path, f"lookups: same-id sums; untied reverse kernel: {why}"
-    for s in input_shapes:  # the lookups' positions (every id of each) add to the projection's
+    looked: int | None = 0
+    for s in input_shapes:  # the lookups' positions (every id of each)
         if not _is_reverse_shape(layer, s):
             n = None if s is None or None in s[1:] else math.prod(s[1:])
-            t = None if (t is None or n is None) else t + n
-    path, why = linear.choose_path(t, layer.input_dim, layer.output_dim)
-    return path, f"tied table, lookup and reverse projection as one A^T G: {why}"
+            looked = None if (looked is None or n is None) else looked + n
+    if looked == 0:
+        path, why = linear.choose_path(t, layer.input_dim, layer.output_dim)
+        return path, f"tied table, reverse projection only: {why}"
+    vocab, dim = int(layer.input_dim), int(layer.output_dim)
+    path = _tied_path(looked, t, vocab, dim)
+    if looked is None or t is None:
+        sizes = "unknown T: ghost keeps memory O(T^2)"
+    else:
+        total = looked + t
+        ghost, mat = t * t * vocab + total * total * dim, total * vocab * dim
+        sizes = f"T={total} ({looked} looked up, {t} projected): P^2 V + T^2 D={ghost}, TVD={mat}"
+    how = (
+        "Gram blocks: one-hot rows by id equality, cross terms by gathers, logits by a matmul"
+        if path == "ghost"
+        else "[B, vocab, dim] as dlogits^T H plus the lookups' rows"
+    )
+    return path, f"tied table, lookup and reverse projection as one A^T G ({how}; {sizes})"
 
 
 def _reversible_check(layer: Any) -> str | None:
