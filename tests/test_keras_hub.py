@@ -357,6 +357,19 @@ def test_reversible_embedding_tied_extreme_record_is_clipped(t, path, rng):
     _check_record(model, x, y, methods=("fast",))
 
 
+@pytest.mark.parametrize("vocab,dim,t,path", [(40, 4, 10, "materialized"), (200, 32, 3, "ghost")])
+def test_reversible_embedding_tied_in_units_of_rows(vocab, dim, t, path, rng):
+    """Units of 3 rows: the tied table's per-unit norm and sum, cross terms between rows too."""
+    from dpcore.rules.keras_hub import _tied_path
+    from tests.test_groups import UNITS, K, check_units
+
+    assert _tied_path(K * t, K * t, vocab, dim) == path  # a unit: K times the positions
+    model, _ = _tied_lm(vocab, dim, t)
+    x = _ids(rng, K * UNITS, t, vocab)
+    x[:K, :3] = 7  # one id in every row of unit 0
+    check_units(model, x, rng.integers(0, vocab, (K * UNITS, t)), methods=("fast",))
+
+
 def test_reversible_embedding_soft_cap_and_mask_zero(rng):
     t, vocab = 5, 30
     ids = keras.Input((t,), dtype="int32")
