@@ -130,3 +130,35 @@ def test_zero_noise_is_the_clipped_mean():
     )
     out = aggregation.privatize(s, noise_multiplier=0.0, expected_batch_size=2.0, seed=[0, 0])
     np.testing.assert_allclose(out[0], [1.0, 2.0])
+
+
+def test_standard_normal_is_standard_normal():
+    """The noise draw (Box-Muller on Philox uniforms) against N(0, 1): shape, moments, tails,
+    the Kolmogorov-Smirnov distance, and no correlation between the halves of a pair, between
+    variables of one step or between steps. Every threshold is a 5-sigma (or smaller) band."""
+    from scipy import stats
+
+    like = [tf.zeros([1000, 1001]), tf.zeros([7]), tf.zeros([]), tf.zeros([0, 3])]
+    draws = aggregation.standard_normal(like, seed=tf.constant([5, 6]))
+    assert [d.shape for d in draws] == [t.shape for t in like]
+    assert all(d.dtype == tf.float32 for d in draws)
+    z = draws[0].numpy().astype(np.float64).ravel()
+    n = z.size
+    assert np.all(np.isfinite(z)) and np.abs(z).max() < 5.7
+    assert abs(z.mean()) < 5 / math.sqrt(n)
+    assert abs(z.var() - 1) < 5 * math.sqrt(2 / n)
+    assert abs(stats.skew(z)) < 5 * math.sqrt(6 / n)
+    assert abs(stats.kurtosis(z)) < 5 * math.sqrt(24 / n)
+    p4 = 2 * stats.norm.sf(4.0)  # 6.3e-5: about 63 values beyond 4 sigma
+    beyond = np.sum(np.abs(z) > 4.0)
+    assert abs(beyond - n * p4) < 5 * math.sqrt(n * p4)
+    assert stats.kstest(z, "norm").statistic < 1.63 / math.sqrt(n) * 2  # p ~ 1e-9 band
+    half = n // 2  # the cosine and sine halves of each Box-Muller pair
+    assert abs(np.corrcoef(z[:half], z[half : 2 * half])[0, 1]) < 5 / math.sqrt(half)
+    assert abs(np.corrcoef(z[:half] ** 2, z[half : 2 * half] ** 2)[0, 1]) < 5 / math.sqrt(half)
+    other_var = aggregation.standard_normal([tf.zeros([1000, 1001])] * 2, seed=tf.constant([5, 6]))
+    other_step = aggregation.standard_normal(like[:1], seed=tf.constant([5, 7]))[0].numpy()
+    np.testing.assert_array_equal(other_var[0].numpy().ravel(), z.astype(np.float32))
+    for w in (other_var[1].numpy().ravel(), other_step.ravel()):
+        assert abs(np.corrcoef(z, w)[0, 1]) < 5 / math.sqrt(n)
+    assert draws[1].shape == (7,) and np.isfinite(draws[2].numpy())
