@@ -212,6 +212,7 @@ def _depthwise_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
         # Uses of one shape (e.g. the rows of privacy units) run as one batch of len(uses) * B
         # examples; each example's kernel gradient is then the sum over its uses.
         a_uses, g_uses = [tf.concat(a_uses, 0)], [tf.concat(g_uses, 0)]
+    padding = _padding(layer).upper()
     total = None
     for a, g in zip(a_uses, g_uses):
         if layer.rank == 1:
@@ -222,13 +223,11 @@ def _depthwise_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
         chunk = max(1, _DEPTHWISE_CHANNELS // c_out)
         size = a.shape[0]
         if size is None or size <= chunk:
-            m = _depthwise_kernels(a, g, ks, st, _padding(layer).upper())
+            m = _depthwise_kernels(a, g, ks, st, padding)
         else:
             m = tf.concat(
                 [
-                    _depthwise_kernels(
-                        a[i : i + chunk], g[i : i + chunk], ks, st, _padding(layer).upper()
-                    )
+                    _depthwise_kernels(a[i : i + chunk], g[i : i + chunk], ks, st, padding)
                     for i in range(0, size, chunk)
                 ],
                 0,

@@ -151,13 +151,19 @@ def _reversible_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     return [_tied_grad(table, ids, g, dlogits, h)]
 
 
+def _tied_costs(lookups: int, projections: int, vocab: int, dim: int) -> tuple[int, int]:
+    """Multiply-adds per example of the Gram-block ghost norm (``P^2 V + T^2 D``) and of the
+    materialized kernels (``T V D``), ``T = L + P``."""
+    t = lookups + projections
+    return projections * projections * vocab + t * t * dim, t * vocab * dim
+
+
 def _tied_path(lookups: int | None, projections: int | None, vocab: int, dim: int) -> str:
     """Ghost (Gram blocks, :func:`_tied_grad`) or materialized ``[B, vocab, dim]``, by cost."""
     if lookups is None or projections is None:
         return "ghost"
-    t = lookups + projections
-    ghost = projections * projections * vocab + t * t * dim
-    return "ghost" if ghost <= t * vocab * dim else "materialized"
+    ghost, mat = _tied_costs(lookups, projections, vocab, dim)
+    return "ghost" if ghost <= mat else "materialized"
 
 
 def _tied_grad(
@@ -252,9 +258,10 @@ def _reversible_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]
     if looked is None or t is None:
         sizes = "unknown T: ghost keeps memory O(T^2)"
     else:
-        total = looked + t
-        ghost, mat = t * t * vocab + total * total * dim, total * vocab * dim
-        sizes = f"T={total} ({looked} looked up, {t} projected): P^2 V + T^2 D={ghost}, TVD={mat}"
+        ghost, mat = _tied_costs(looked, t, vocab, dim)
+        sizes = (
+            f"T={looked + t} ({looked} looked up, {t} projected): P^2 V + T^2 D={ghost}, TVD={mat}"
+        )
     how = (
         "Gram blocks: one-hot rows by id equality, cross terms by gathers, logits by a matmul"
         if path == "ghost"
