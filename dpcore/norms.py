@@ -44,6 +44,7 @@ _F32_TINY = 2.0**-126
 __all__ = [
     "F32_ROUNDOFF",
     "TF32_ROUNDOFF",
+    "abs_max",
     "dot_gamma",
     "ghost_sq_norm_bound",
     "gram_sq_norm_bound",
@@ -171,9 +172,14 @@ def outer_sq_norm_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
 def row_scale(t: tf.Tensor) -> tf.Tensor:
     """``[B]`` float32 largest magnitude of each row of ``t`` (1 for an all-zero row; NaN or Inf
     for a row holding NaN or Inf): the ``a_scale`` of :func:`ghost_sq_norm_bound`."""
-    t = tf.cast(t, tf.float32)
-    m = tf.reduce_max(tf.reshape(tf.abs(t), [tf.shape(t)[0], -1]), axis=1)
+    m = abs_max(tf.reshape(tf.cast(t, tf.float32), [tf.shape(t)[0], -1]), axis=[1])
     return tf.where((m > 0) | tf.math.is_nan(m), m, tf.ones_like(m))
+
+
+def abs_max(t: tf.Tensor, axis: list[int]) -> tf.Tensor:
+    """``max |t|`` over ``axis`` as ``max(max t, -min t)``: the same value (NaN where TensorFlow's
+    maxima propagate it) without a copy of ``|t|`` the size of ``t``."""
+    return tf.maximum(tf.reduce_max(t, axis=axis), -tf.reduce_min(t, axis=axis))
 
 
 def _positions(t: tf.Tensor) -> Any:
@@ -225,7 +231,7 @@ def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     as :func:`gram_sq_norm_bound` expects its operands. NaN rows stay NaN, infinite rows become
     NaN."""
     g = tf.cast(g, tf.float32)
-    m = tf.reduce_max(tf.abs(g), axis=[1, 2])
+    m = abs_max(g, axis=[1, 2])
     s = tf.where(m > 0, m, tf.ones_like(m))
     return g * (1.0 / s)[:, None, None], s, m
 
