@@ -357,6 +357,30 @@ def test_reversible_embedding_tied_extreme_record_is_clipped(t, path, rng):
     _check_record(model, x, y, methods=("fast",))
 
 
+def test_reversible_embedding_tied_logit_gram_in_pieces(rng, monkeypatch):
+    """The logit block's Gram matrix summed over pieces of the vocabulary (16, 16, 8 columns):
+    the same norms and sums as the reference, and an extreme record still within C."""
+    from dpcore.rules import keras_hub as rules
+    from tests.test_certified_norms import _check_record
+
+    monkeypatch.setattr(rules, "_GRAM_COLUMNS", 16)
+    vocab, dim, t = 40, 8, 6
+    model, _ = _tied_lm(vocab, dim, t)
+    x = _ids(rng, 4, t, vocab)
+    x[0, :2] = 7
+    assert check(model, x, rng.integers(0, vocab, (4, t)))["tied"] == "ghost"
+    dl = tf.constant(rng.normal(size=(3, t, vocab)).astype("float32"))
+    r = tf.constant([[[0.5]], [[2.0]], [[1e-3]]])
+    np.testing.assert_allclose(
+        rules._scaled_gram(dl, r), tf.matmul(dl * r, dl * r, transpose_b=True), rtol=1e-5
+    )
+    x = _ids(rng, 3, t, vocab)
+    x[0] = 5
+    y = rng.normal(size=(3, t, vocab)).astype("float32")
+    y[0] = 1e15 * np.where(np.arange(vocab) % 2, 1.0, -1.0)
+    _check_record(model, x, y, methods=("fast",))
+
+
 @pytest.mark.parametrize("vocab,dim,t,path", [(40, 4, 10, "materialized"), (200, 32, 3, "ghost")])
 def test_reversible_embedding_tied_in_units_of_rows(vocab, dim, t, path, rng):
     """Units of 3 rows: the tied table's per-unit norm and sum, cross terms between rows too."""

@@ -195,14 +195,14 @@ def _tied_grad(
         return from_per_example(table, per_example, path=path)
     # Scale each example to magnitude 1 as dpcore.norms.scale_rows does for a dense A: the one-hot
     # entries are 1, so the scale is max(1, max |dlogits|) and the lookup rows become r * onehot.
-    m = tf.reduce_max(tf.abs(dlogits), axis=[1, 2])
+    m = norms.abs_max(dlogits, axis=[1, 2])  # no [B, P, vocab] copy of |dlogits|
     ma = tf.where(tf.math.is_nan(m), m, tf.maximum(m, 1.0))
     r = 1.0 / ma  # [B]; the one-hot rows scaled: fl(1 * r) = r
-    dl = dlogits * r[:, None, None]
-    r2 = (r * r)[:, None, None]
-    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32) * r2  # [B, L, L]
-    cross = tf.transpose(tf.gather(dl, ids, axis=2, batch_dims=1), [0, 2, 1]) * r[:, None, None]
-    logits_block = tf.matmul(dl, dl, transpose_b=True)  # [B, P, P]
+    r1 = r[:, None, None]
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32) * (r * r)[:, None, None]
+    # Gathered first, then scaled: the same float32 values as gathering the scaled logits.
+    cross = tf.transpose(tf.gather(dlogits, ids, axis=2, batch_dims=1) * r1, [0, 2, 1]) * r1
+    logits_block = _scaled_gram(dlogits, r1)  # [B, P, P]
     aa = tf.concat(
         [
             tf.concat([same, cross], 2),
@@ -227,6 +227,28 @@ def _tied_grad(
         return tf.cast(looked_up + projected, table.dtype)
 
     return VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")
+
+
+# Vocabulary columns per piece of the logit block's Gram matrix (see _scaled_gram).
+_GRAM_COLUMNS = 4096
+
+
+def _scaled_gram(x: tf.Tensor, r: tf.Tensor) -> tf.Tensor:
+    """``(x r)(x r)^T`` for ``x [B, P, V]`` and ``r [B, 1, 1]``, over ``V`` in pieces of
+    ``_GRAM_COLUMNS`` columns, one after another: only one piece of the scaled operand exists at a
+    time, never a second ``[B, P, V]`` tensor (at GPT-2's vocabulary, a copy the size of the
+    logits, the step's largest tensors). The pieces' products are summed in float32, which is one more summation
+    order of each entry's dot product of length ``V``: the error model of
+    :func:`dpcore.norms.gram_sq_norm_bound` holds as for one matmul."""
+    v = int(x.shape[-1])
+    total = None
+    for start in range(0, v, _GRAM_COLUMNS):
+        after = [] if total is None else [total]
+        with tf.control_dependencies(after):  # the next piece is cut once the last one is used
+            piece = x[:, :, start : start + _GRAM_COLUMNS] * r
+        product = tf.matmul(piece, piece, transpose_b=True)
+        total = product if total is None else total + product
+    return total
 
 
 def _is_reverse_shape(layer: Any, shape: Any) -> bool:
