@@ -237,8 +237,8 @@ def _scaled_gram(x: tf.Tensor, r: tf.Tensor) -> tf.Tensor:
     """``(x r)(x r)^T`` for ``x [B, P, V]`` and ``r [B, 1, 1]``, over ``V`` in pieces of
     ``_GRAM_COLUMNS`` columns, one after another: only one piece of the scaled operand exists at a
     time, never a second ``[B, P, V]`` tensor (at GPT-2's vocabulary, a copy the size of the
-    logits, the step's largest tensors). The pieces' products are summed in float32, which is one more summation
-    order of each entry's dot product of length ``V``: the error model of
+    logits, the step's largest tensors). The pieces' products are summed in float32, which is one
+    more summation order of each entry's dot product of length ``V``: the error model of
     :func:`dpcore.norms.gram_sq_norm_bound` holds as for one matmul."""
     v = int(x.shape[-1])
     total = None
