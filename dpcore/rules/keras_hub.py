@@ -243,7 +243,7 @@ def _scaled_gram(x: tf.Tensor, r: tf.Tensor) -> tf.Tensor:
     v = int(x.shape[-1])
     total = None
     for start in range(0, v, _GRAM_COLUMNS):
-        after = [] if total is None else [total]
+        after: list[tf.Tensor] = [] if total is None else [total]
         with tf.control_dependencies(after):  # the next piece is cut once the last one is used
             piece = x[:, :, start : start + _GRAM_COLUMNS] * r
         product = tf.matmul(piece, piece, transpose_b=True)
