@@ -358,8 +358,14 @@ def fast_summary(
     live = weights != 0  # rows that contribute: the others are zeroed below, NaN or not
     prepared = {id(t) for t in x_leaves}  # finite on every row (prepare_batch): left as they are
     by_variable: dict[int, VariableGrad] = {}
-    paths: dict[str, str] = {}
-    for key, gz in zip(keys, grads_z):
+    found_paths: dict[int, str] = {}
+    # Layers in reverse call order, each one's norm ops made to wait for the previous layer's
+    # norms: the last layers' gradients arrive first in the backward pass, and only one layer's
+    # norm temporaries (scaled operands, Gram matrices, float64 terms) exist at a time instead of
+    # every layer's at once (BERT: 436 -> 385 MB of tensors at the step's peak, GPT-2 654 -> 547).
+    # The clipped sums (``weighted_sum``) are made later and are not ordered.
+    previous: list[tf.Tensor] = []
+    for key, gz in reversed(list(zip(keys, grads_z))):
         layer, rule, why = recorder.layers[key]
         # A capture holds rows along its leading axis unless the rule says otherwise (groupable).
         rows_first = rule is None or rule.groupable
@@ -371,13 +377,16 @@ def fast_summary(
             for (_, c), g in zip(recorder.calls[key], gz)
         ]
         uses = unit_uses(uses, group)  # unit u: one example that called the layer K times
-        if rule is not None:
-            found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
-        else:
-            found = _fallback_grads(layer, uses, wanted, unit_mask(live, group) > 0)
-        paths[recorder.names[key]] = found[0].path if found else "no variables"
+        with tf.control_dependencies(previous):
+            if rule is not None:
+                found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]
+            else:
+                found = _fallback_grads(layer, uses, wanted, unit_mask(live, group) > 0)
+        previous = [vg.sq_norm for vg in found] or previous
+        found_paths[key] = found[0].path if found else "no variables"
         for vg in found:
             by_variable[id(vg.variable)] = vg
+    paths = {recorder.names[key]: found_paths[key] for key in keys}
     per_var = [by_variable.get(id(v)) or _zero_grad(v, batch) for v in variables]
     sq_norms = tf.stack([tf.cast(vg.sq_norm, tf.float64) for vg in per_var], axis=1)
     units = unit_mask(mask, group)
