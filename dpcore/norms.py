@@ -23,7 +23,10 @@ the precision the hardware really computes in:
   (``2^-8``) when oneDNN is told to compute float32 matmuls in bfloat16.
 
 Non-finite inputs give non-finite bounds (never a finite underestimate), so callers can detect and
-skip them. Everything is plain TensorFlow and runs inside the caller's compiled step.
+skip them. Everything is plain TensorFlow and runs inside the caller's compiled step; inside a graph
+the per-example Gram matrices of large enough operands (:func:`gram`) are compiled by XLA, whose
+batched matmul is faster on CPU, and the error model above covers it as it covers any float32
+summation order.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ _F32_TINY = 2.0**-126
 __all__ = [
     "F32_ROUNDOFF",
     "TF32_ROUNDOFF",
+    "XLA_MIN_WORK",
     "abs_max",
     "dot_gamma",
     "ghost_sq_norm_bound",
+    "gram",
     "gram_sq_norm_bound",
     "matmul_input_roundoff",
     "outer_sq_norm_bound",
@@ -218,11 +223,38 @@ def ghost_sq_norm_bound(
         ma = sa = tf.cast(a_scale, tf.float32)
         ap = tf.cast(a, tf.float32)
     gp, sg, mg = scale_rows(g)
-    aa = tf.matmul(ap, ap, transpose_b=True)  # [B, T, T] float32
-    gg = tf.matmul(gp, gp, transpose_b=True)
+    aa = gram(ap)  # [B, T, T] float32
+    gg = gram(gp)
     return gram_sq_norm_bound(
         aa, gg, d=d, p=p, a_scale=sa, g_scale=sg, a_max=ma, g_max=mg, contribution=contribution
     )
+
+
+# Per-example multiply-adds from which a batched product is compiled by XLA inside a graph
+# (smaller products gain nothing from it and would only add a compilation per shape).
+XLA_MIN_WORK = 1 << 14
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _compiled_gram(x: tf.Tensor) -> tf.Tensor:
+    return tf.matmul(x, x, transpose_b=True)
+
+
+def gram(x: tf.Tensor) -> tf.Tensor:
+    """``x_i x_i^T`` for every example of ``x [B, T, K]`` (float32): ``[B, T, T]``.
+
+    Inside a graph (``tf.function``, Keras ``fit``), for static ``T`` and ``K`` with
+    ``T^2 K >= XLA_MIN_WORK``, the batched product is compiled by XLA: on CPU, TensorFlow's own
+    batched-matmul kernel takes 1.3-4x as long for the ``[T, K] x [K, T]`` products of ghost norms
+    (``T = 128``, ``K = 256``, batch 32: 11-12 ms against 4-5 ms). Otherwise (eagerly, small or
+    dynamic shapes) it is TensorFlow's matmul. Either way every entry is a float32 dot product of
+    length ``K`` in some summation order, which is all the error model of
+    :func:`gram_sq_norm_bound` assumes, and a NaN or Inf in a row reaches that row's entries.
+    """
+    t, k = x.shape[1], x.shape[2]
+    if tf.executing_eagerly() or t is None or k is None or t * t * k < XLA_MIN_WORK:
+        return tf.matmul(x, x, transpose_b=True)
+    return _compiled_gram(x)
 
 
 def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:

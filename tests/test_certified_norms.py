@@ -245,8 +245,10 @@ def test_per_group_clipping_respects_each_bound(rng):
         assert np.linalg.norm(g_full - g_less) <= bound * (1 + TOLERANCE)
 
 
-def test_ghost_bound_covers_exact_norm_in_float64(rng):
-    """The bound is checked against float64 ground truth on cancelling and random operands."""
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_ghost_bound_covers_exact_norm_in_float64(rng, graph):
+    """The bound is checked against float64 ground truth on cancelling and random operands,
+    eagerly and in a graph (where the Gram matrices come from XLA's batched matmul)."""
     a = rng.normal(size=(3, 5, 16)) * np.array([1e-20, 1.0, 1e20])[:, None, None]
     g = rng.normal(size=(3, 5, 8))
     a[1, 1] = -a[1, 0] + 1e-6
@@ -255,11 +257,61 @@ def test_ghost_bound_covers_exact_norm_in_float64(rng):
     exact = np.sum(
         np.einsum("btd,btp->bdp", a32.astype(np.float64), g32.astype(np.float64)) ** 2, (1, 2)
     )
-    bound = norms.ghost_sq_norm_bound(tf.constant(a32), tf.constant(g32)).numpy()
+    fn = tf.function(norms.ghost_sq_norm_bound) if graph else norms.ghost_sq_norm_bound
+    bound = fn(tf.constant(a32), tf.constant(g32)).numpy()
     assert np.all(bound >= exact)
     assert np.all(np.isfinite(bound))
     # Tight on the random (non-cancelling) rows.
     np.testing.assert_array_less(bound[[0, 2]], exact[[0, 2]] * (1 + 1e-3))
+
+
+def test_gram_in_a_graph_is_compiled_and_within_the_dot_product_model(rng):
+    """``norms.gram`` in a graph runs XLA's batched matmul: every entry stays within the float32
+    dot-product error the ghost bound assumes, and a NaN reaches its example's entries only."""
+    k = 300
+    x = (rng.normal(size=(4, 8, k)) * np.array([1e-15, 1.0, 1e15, 1.0])[:, None, None]).astype(
+        "float32"
+    )
+    x[3, 2, 7] = np.nan
+    fn = tf.function(norms.gram)
+    assert 8 * 8 * k >= norms.XLA_MIN_WORK
+    assert _xla_compiled(fn, tf.TensorSpec(x.shape, tf.float32)), "the Gram is not compiled"
+    got = fn(tf.constant(x)).numpy().astype(np.float64)
+    x64 = x.astype(np.float64)
+    exact = np.einsum("btk,bsk->bts", x64, x64)
+    scale = np.einsum("btk,bsk->bts", np.abs(x64), np.abs(x64))
+    err = float(norms.dot_gamma(k)) * scale
+    finite = [0, 1, 2]
+    assert np.all(np.abs(got[finite] - exact[finite]) <= err[finite])
+    assert np.all(np.isnan(got[3, 2, :])) and np.all(np.isnan(got[3, :, 2]))
+    assert np.all(np.isfinite(np.delete(np.delete(got[3], 2, 0), 2, 1)))
+
+
+def _xla_compiled(fn, *specs):
+    graph = fn.get_concrete_function(*specs).graph
+    return any(f.cached_definition.attr["_XlaMustCompile"].b for f in graph._functions.values())
+
+
+@pytest.mark.parametrize("t,compiled", [(16, True), (2, False)], ids=["large", "small"])
+def test_per_example_products_in_a_graph(rng, t, compiled):
+    """Materialized per-example gradients (``A_i^T G_i``, and the einsum form EinsumDense and
+    grouped convolutions use) are XLA-compiled in a graph from ``XLA_MIN_WORK`` multiply-adds per
+    example, TensorFlow's kernels below it; both agree with float64 within the float32 error of
+    a dot product of length ``T``."""
+    from dpcore.rules import linear
+
+    a = rng.normal(size=(5, t, 32)).astype("float32")
+    g = rng.normal(size=(5, t, 40)).astype("float32")
+    specs = (tf.TensorSpec(a.shape, tf.float32), tf.TensorSpec(g.shape, tf.float32))
+    assert (t * 32 * 40 >= norms.XLA_MIN_WORK) == compiled
+    exact = np.einsum("btd,btp->bdp", a.astype(np.float64), g.astype(np.float64))
+    err = float(norms.dot_gamma(t)) * np.einsum("btd,btp->bdp", np.abs(a), np.abs(g))
+    mat = tf.function(linear.materialize)
+    ein = tf.function(lambda x, y: linear.per_example_einsum("btd,btp->bdp", x, y))
+    for fn in (mat, ein):
+        assert _xla_compiled(fn, *specs) == compiled
+        got = fn(tf.constant(a), tf.constant(g)).numpy().astype(np.float64)
+        assert np.all(np.abs(got - exact) <= err)
 
 
 def test_mask_values_other_than_zero_one_are_refused(rng):

@@ -329,7 +329,7 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             )
         else:
             # [B, groups, window, C_in/g, C_out/g] -> the kernel's layout, filters group-major.
-            m = tf.einsum("btkgc,btgo->bkcgo", a5, g4)
+            m = linear.per_example_einsum("btkgc,btgo->bkcgo", a5, g4)
             per_example = tf.reshape(m, [-1, *kernel.shape])
             sq = norms.sq_norm_bound(per_example)
 

@@ -290,7 +290,7 @@ def _einsum_kernel_grad(
     # The clipped sum is formed from the materialized gradients themselves, so the certified norm
     # of what is stored bounds what each example contributes.
     eq = f"{x_spec},{out}->{b}{w_spec}"
-    per_example = tf.add_n([tf.einsum(eq, x, g) for x, g in zip(xs, gs)])
+    per_example = tf.add_n([linear.per_example_einsum(eq, x, g) for x, g in zip(xs, gs)])
     return from_per_example(variable, per_example, path=path)
 
 

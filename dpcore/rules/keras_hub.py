@@ -211,7 +211,7 @@ def _tied_grad(
         1,
     )
     gp, sg, mg = norms.scale_rows(tf.concat([g, h], 1))
-    gg = tf.matmul(gp, gp, transpose_b=True)
+    gg = norms.gram(gp)
     sq = norms.gram_sq_norm_bound(
         aa, gg, d=vocab, p=dim, a_scale=ma, g_scale=sg, a_max=ma, g_max=mg, contribution=True
     )
@@ -246,7 +246,7 @@ def _scaled_gram(x: tf.Tensor, r: tf.Tensor) -> tf.Tensor:
         after: list[tf.Tensor] = [] if total is None else [total]
         with tf.control_dependencies(after):  # the next piece is cut once the last one is used
             piece = x[:, :, start : start + _GRAM_COLUMNS] * r
-        product = tf.matmul(piece, piece, transpose_b=True)
+        product = norms.gram(piece)
         total = product if total is None else total + product
     return total
 
