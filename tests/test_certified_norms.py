@@ -187,6 +187,7 @@ def test_conv_depthwise_route_extreme_record_is_clipped(rng, monkeypatch):
     calls = []
     route = conv._depthwise_per_example
     monkeypatch.setattr(conv, "_depthwise_per_example", lambda *a: calls.append(1) or route(*a))
+    monkeypatch.setattr(conv, "depthwise_route_is_fast", lambda: True)
     inputs = keras.Input((6, 6, 1))
     h = keras.layers.Conv2D(4, 3, strides=2, padding="same", name="conv")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(h)))

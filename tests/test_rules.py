@@ -258,7 +258,25 @@ def test_conv_depthwise_route(case, rng, monkeypatch):
     make, shape = DEPTHWISE_CASES[case]
     model = _single(make(), shape)
     monkeypatch.setattr(conv, "_patches", _no_patches)
+    monkeypatch.setattr(conv, "depthwise_route_is_fast", lambda: True)
     check_rule(model, *_data(model, 4, rng), modes=FAST_MODES, expect_path="materialized")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["depthwise_fast", "depthwise_slow"])
+def test_conv_depthwise_route_only_where_the_kernel_is_fast(fast, rng, monkeypatch):
+    """Where the processor's depthwise filter gradient is slow the patches are unfolded instead:
+    the same exact per-example kernels either way."""
+    from dpcore.rules import conv
+
+    assert isinstance(conv.depthwise_route_is_fast(), bool)  # this machine's answer
+    seen = []
+    route = conv._depthwise_per_example
+    monkeypatch.setattr(conv, "_depthwise_per_example", lambda *a: seen.append(1) or route(*a))
+    monkeypatch.setattr(conv, "depthwise_route_is_fast", lambda: fast)
+    make, shape = DEPTHWISE_CASES["conv2d_same_stride"]
+    model = _single(make(), shape)
+    check_rule(model, *_data(model, 4, rng), modes=("function",), expect_path="materialized")
+    assert bool(seen) == fast
 
 
 @pytest.mark.parametrize("examples_per_chunk", [1, 3])
@@ -268,6 +286,7 @@ def test_conv_depthwise_route_in_chunks(examples_per_chunk, rng, monkeypatch):
 
     make, shape = DEPTHWISE_CASES["conv2d_same_stride"]  # 4 filters
     monkeypatch.setattr(conv, "_DEPTHWISE_CHANNELS", 4 * examples_per_chunk)
+    monkeypatch.setattr(conv, "depthwise_route_is_fast", lambda: True)
     calls = []
     kernels = conv._depthwise_kernels
     monkeypatch.setattr(
@@ -300,6 +319,7 @@ def test_conv_depthwise_route_shared_layer(rng, monkeypatch):
     from dpcore.rules import conv
 
     monkeypatch.setattr(conv, "_patches", _no_patches)
+    monkeypatch.setattr(conv, "depthwise_route_is_fast", lambda: True)
     layer = keras.layers.Conv2D(2, 3, padding="same", activation="tanh")  # T=25, D=18, P=2
     inputs = keras.Input((5, 5, 2))
     model = keras.Model(inputs, layer(layer(inputs)))
