@@ -49,6 +49,7 @@ __all__ = [
     "TF32_ROUNDOFF",
     "XLA_MIN_WORK",
     "abs_max",
+    "compile_batched_product",
     "dot_gamma",
     "ghost_sq_norm_bound",
     "gram",
@@ -235,6 +236,20 @@ def ghost_sq_norm_bound(
 XLA_MIN_WORK = 1 << 14
 
 
+def compile_batched_product(*per_example_dims: Any) -> bool:
+    """Whether a batched product is compiled by XLA: inside a graph, every static per-example
+    dimension known, and their product (its multiply-adds per example) at least
+    :data:`XLA_MIN_WORK`."""
+    if tf.executing_eagerly():
+        return False
+    work = 1
+    for n in per_example_dims:
+        if n is None:
+            return False
+        work *= int(n)
+    return work >= XLA_MIN_WORK
+
+
 @tf.function(jit_compile=True, autograph=False)
 def _compiled_gram(x: tf.Tensor) -> tf.Tensor:
     return tf.matmul(x, x, transpose_b=True)
@@ -252,9 +267,9 @@ def gram(x: tf.Tensor) -> tf.Tensor:
     :func:`gram_sq_norm_bound` assumes, and a NaN or Inf in a row reaches that row's entries.
     """
     t, k = x.shape[1], x.shape[2]
-    if tf.executing_eagerly() or t is None or k is None or t * t * k < XLA_MIN_WORK:
-        return tf.matmul(x, x, transpose_b=True)
-    return _compiled_gram(x)
+    if compile_batched_product(t, t, k):
+        return _compiled_gram(x)
+    return tf.matmul(x, x, transpose_b=True)
 
 
 def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:

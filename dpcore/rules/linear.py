@@ -68,23 +68,9 @@ def materialize(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
       Unclipped per-example gradients: clip before aggregating.
     """
     a, g = tf.cast(a, tf.float32), tf.cast(g, tf.float32)
-    if _compile(a.shape[1:], g.shape[-1:]):
+    if norms.compile_batched_product(*a.shape[1:], g.shape[-1]):
         return _compiled_materialize(a, g)
     return tf.matmul(a, g, transpose_a=True)
-
-
-def _compile(*per_example_dims: Iterable[int | None]) -> bool:
-    """Whether a batched product over these static per-example dimensions (their product is its
-    multiply-adds per example) is compiled by XLA: in a graph, all known, enough work."""
-    if tf.executing_eagerly():
-        return False
-    work = 1
-    for dims in per_example_dims:
-        for n in dims:
-            if n is None:
-                return False
-            work *= int(n)
-    return work >= norms.XLA_MIN_WORK
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -102,7 +88,7 @@ def per_example_einsum(equation: str, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     lhs = equation.replace(" ", "").split("->")[0].split(",")
     sizes = {c: n for spec, t in zip(lhs, (x, y)) for c, n in zip(spec, t.shape)}
     sizes.pop(lhs[0][0])  # the batch axis
-    if _compile(sizes.values()):
+    if norms.compile_batched_product(*sizes.values()):
         return _compiled_einsum(equation, x, y)
     return tf.einsum(equation, x, y)
 
