@@ -249,9 +249,10 @@ def test_per_group_clipping_respects_each_bound(rng):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
 def test_ghost_bound_covers_exact_norm_in_float64(rng, graph):
     """The bound is checked against float64 ground truth on cancelling and random operands,
-    eagerly and in a graph (where the Gram matrices come from XLA's batched matmul)."""
-    a = rng.normal(size=(3, 5, 16)) * np.array([1e-20, 1.0, 1e20])[:, None, None]
-    g = rng.normal(size=(3, 5, 8))
+    eagerly and in a graph (operands large enough that both Gram matrices come from XLA)."""
+    t, d, p = (16, 64, 64) if graph else (5, 16, 8)
+    a = rng.normal(size=(3, t, d)) * np.array([1e-20, 1.0, 1e20])[:, None, None]
+    g = rng.normal(size=(3, t, p))
     a[1, 1] = -a[1, 0] + 1e-6
     g[1, 1] = g[1, 0]
     a32, g32 = a.astype("float32"), g.astype("float32")
@@ -259,6 +260,9 @@ def test_ghost_bound_covers_exact_norm_in_float64(rng, graph):
         np.einsum("btd,btp->bdp", a32.astype(np.float64), g32.astype(np.float64)) ** 2, (1, 2)
     )
     fn = tf.function(norms.ghost_sq_norm_bound) if graph else norms.ghost_sq_norm_bound
+    if graph:
+        specs = (tf.TensorSpec(a32.shape, tf.float32), tf.TensorSpec(g32.shape, tf.float32))
+        assert _xla_compiled(fn, *specs), "the Gram matrices are not compiled"
     bound = fn(tf.constant(a32), tf.constant(g32)).numpy()
     assert np.all(bound >= exact)
     assert np.all(np.isfinite(bound))
