@@ -79,6 +79,18 @@ def _flat(arrays):
     return np.concatenate([np.ravel(a) for a in arrays])
 
 
+def _finish(out, info, result):
+    """Writes this worker's result, then waits for every worker to have written its own.
+
+    Without the final barrier the chief could exit while another worker still runs its
+    single-process reference; that worker then loses the cluster's coordination service under
+    it and may not end within the launcher's grace period (it is killed, the run fails).
+    """
+    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
+        json.dump(result, f)
+    distribute.any_worker(STRATEGY)(False)  # a collective op: returns once all reached it
+
+
 def dp_step(out):
     info = distribute.worker_info(STRATEGY)
     seed = distribute.shared_seed(STRATEGY)
@@ -138,8 +150,7 @@ def dp_step(out):
         result["full_refused"] = False
     except ValueError as e:
         result["full_refused"] = "whole dataset" in str(e)
-    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
-        json.dump(result, f)
+    _finish(out, info, result)
 
 
 class _Record(keras.callbacks.Callback):
@@ -241,8 +252,7 @@ def fit(out):
         result["full_refused"] = False
     except ValueError as e:
         result["full_refused"] = "whole dataset" in str(e)
-    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
-        json.dump(result, f)
+    _finish(out, info, result)
 
 
 class _KillAfter(keras.callbacks.Callback):
@@ -322,8 +332,7 @@ def preempt(out):
         "single_ledger_steps": single_eps.ledger.steps,
         "single_epsilon": single_eps.epsilon(),
     }
-    with open(os.path.join(out, f"worker{info.worker_index}.json"), "w") as f:
-        json.dump(result, f)
+    _finish(out, info, result)
 
 
 if __name__ == "__main__":

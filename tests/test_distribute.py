@@ -20,6 +20,15 @@ from dpcore import distribute, sampling
 WORKER = str(Path(__file__).with_name("mwms_worker.py"))
 
 
+def _report(runs) -> str:
+    """Every worker's status and log tail: the worker asserted on is not always the first to fail."""
+    return "\n\n".join(
+        f"worker {run.index}: status {run.returncode}, stopped by the launcher: {run.killed}"
+        f"\n{Path(run.log_path).read_text()[-3000:]}"
+        for run in runs
+    )
+
+
 def _run_workers(scenario: str, tmp_path: Path, workers: int = 2) -> list[dict]:
     runs = launch(
         [sys.executable, WORKER, scenario, str(tmp_path)],
@@ -27,8 +36,8 @@ def _run_workers(scenario: str, tmp_path: Path, workers: int = 2) -> list[dict]:
         timeout_s=400,
         log_dir=str(tmp_path / "logs"),
     )
-    for run in runs:
-        assert run.returncode == 0, Path(run.log_path).read_text()[-4000:]
+    if any(run.returncode != 0 for run in runs):
+        pytest.fail(_report(runs))
     return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(workers)]
 
 
@@ -112,8 +121,8 @@ def test_kill_9_of_one_worker_then_restart_continues_the_run(tmp_path):
         timeout_s=300,
         log_dir=str(tmp_path / "logs1"),
     )
-    assert first[1].returncode == -9 and not first[1].killed, Path(first[1].log_path).read_text()
-    assert first[0].killed
+    assert first[1].returncode == -9 and not first[1].killed, _report(first)
+    assert first[0].killed, _report(first)
     assert not (tmp_path / "worker0.json").exists()
     noise_seed = json.loads((tmp_path / "first.json").read_text())["noise_seed"]
     w0, w1 = _run_workers("preempt", tmp_path)
