@@ -119,7 +119,9 @@ def rows_sq_norm(t: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.reshape(tf.square(t64), [tf.shape(t64)[0], -1]), axis=1)
 
 
-def sq_norm_bound(per_example: tf.Tensor, *, weighted_by_matmul: bool = True) -> tf.Tensor:
+def sq_norm_bound(
+    per_example: tf.Tensor, *, weighted_by_matmul: bool = True, rows: tf.Tensor | None = None
+) -> tf.Tensor:
     """Upper bound of ``||per_example[i]||^2`` (and of its clip-weighted contribution), ``[B]``.
 
     Args:
@@ -127,6 +129,7 @@ def sq_norm_bound(per_example: tf.Tensor, *, weighted_by_matmul: bool = True) ->
       weighted_by_matmul: the clipped sum is formed from this very tensor by a weighted matmul
         (``tensordot``): on hardware that rounds matmul inputs (TF32) the contribution of a row can
         exceed its stored norm by that rounding, which is added.
+      rows: :func:`rows_sq_norm` of ``per_example``, when the caller already has it.
 
     Returns:
       float64 ``[B]``: non-finite where the row holds NaN/Inf.
@@ -137,7 +140,8 @@ def sq_norm_bound(per_example: tf.Tensor, *, weighted_by_matmul: bool = True) ->
     n = tf.cast(tf.size(per_example), tf.float64) / tf.cast(
         tf.maximum(tf.shape(per_example)[0], 1), tf.float64
     )
-    sq = rows_sq_norm(per_example) * _sum64_inflation(n)
+    rows = rows_sq_norm(per_example) if rows is None else rows
+    sq = rows * _sum64_inflation(n)
     if weighted_by_matmul:
         sq = sq * (1.0 + 2.0 * matmul_input_roundoff() + 2.0 * F32_ROUNDOFF) ** 2
     return sq
@@ -161,16 +165,25 @@ def triangle_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(prods, axis=1) * _sum64_inflation(tf.shape(a)[1])
 
 
-def outer_sq_norm_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+def outer_sq_norm_bound(
+    a: tf.Tensor, g: tf.Tensor, *, g_rows: tf.Tensor | None = None
+) -> tf.Tensor:
     """Bound for one position: ``||a_i g_i^T||^2 = ||a_i||^2 ||g_i||^2`` for ``a [B, D]``, ``g [B, P]``.
 
     Includes the rounding of the book-keeping product ``a_i (w_i g_i)^T`` that forms the clipped
     sum (one product per entry, inputs possibly rounded to TF32).
 
+    Args:
+      a: ``[B, D]`` layer inputs.
+      g: ``[B, P]`` output gradients.
+      g_rows: :func:`rows_sq_norm` of ``g``, when the caller already has it (a bias's bound
+        needs the same sums).
+
     Returns:
       float64 ``[B]``.
     """
-    sq = rows_sq_norm(a) * rows_sq_norm(g)
+    g_rows = rows_sq_norm(g) if g_rows is None else g_rows
+    sq = rows_sq_norm(a) * g_rows
     sq = sq * _sum64_inflation(a.shape[-1] or 1) * _sum64_inflation(g.shape[-1] or 1)
     return sq * (1.0 + dot_gamma(2)) ** 2
 

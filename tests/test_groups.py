@@ -104,6 +104,62 @@ def test_einsum_dense_and_materialized_conv(rng):
     assert "fast" in got
 
 
+@pytest.mark.parametrize("shape", [(5,), (2, 5), (2, 3, 5)])
+def test_units_as_positions_is_the_concatenation_of_split_uses(shape, rng):
+    """One use reshaped to ``[U, K, ...]`` is, after ``as_sequence``, the split uses concatenated
+    along positions: the same tensor, in the same order, for two uses of a layer."""
+    from dpcore.rules import linear
+    from dpcore.rules.base import Use, unit_uses
+
+    rows = UNITS * K
+
+    def t(*dims):
+        return tf.constant(rng.normal(size=(rows, *dims)).astype("float32"))
+
+    uses = [Use(capture={"a": t(*shape), "n": 7}, grad=t(*shape[:-1], 4)) for _ in range(2)]
+    split = unit_uses(uses, K)
+    merged = unit_uses(uses, K, as_positions=True)
+    assert len(split) == 2 * K and len(merged) == 2
+    assert merged[0].capture["n"] == 7
+    for key in ("a", "grad"):
+
+        def get(u, key=key):
+            return u.grad if key == "grad" else u.capture["a"]
+
+        want = tf.concat([linear.as_sequence(get(u)) for u in split], axis=1)
+        got = tf.concat([linear.as_sequence(get(u)) for u in merged], axis=1)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    # A rank-1 tensor (one value per row) keeps the split form.
+    ranked = [Use(capture={"a": t(5), "w": t()}, grad=t(4))]
+    assert len(unit_uses(ranked, K, as_positions=True)) == K
+
+
+def test_dense_units_as_positions_match_split_uses(rng):
+    """The Dense rule (units as positions) gives the same norms and sums as with split uses, on a
+    layer applied twice to sequences and on a plain one."""
+    import dataclasses
+
+    from dpcore.rules.dense import DENSE
+
+    inputs = keras.Input((4, 5))
+    shared = keras.layers.Dense(6, activation="tanh", name="shared")
+    h = shared(shared(inputs)[..., :5])
+    h = keras.layers.Flatten()(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="last")(h))
+    x = rng.normal(size=(UNITS * K, 4, 5)).astype("float32")
+    y = rng.integers(0, 3, UNITS * K)
+    assert DENSE.units_as_positions
+    merged = check_units(model, x, y, methods=("fast",))["fast"]
+    registry = {
+        **default_registry(),
+        keras.layers.Dense: dataclasses.replace(DENSE, units_as_positions=False),
+    }
+    split = check_units(model, x, y, methods=("fast",), registry=registry)["fast"]
+    for a, b in zip(tf.nest.flatten(merged), tf.nest.flatten(split)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fallback_layer_and_ungroupable_rule(rng):
     """A layer without a rule, and a rule that declines units, both take the fallback."""
     import dataclasses

@@ -376,7 +376,8 @@ def fast_summary(
             )
             for (_, c), g in zip(recorder.calls[key], gz)
         ]
-        uses = unit_uses(uses, group)  # unit u: one example that called the layer K times
+        # Unit u: one example that called the layer K times.
+        uses = unit_uses(uses, group, as_positions=rule is not None and rule.units_as_positions)
         with tf.control_dependencies(previous):
             if rule is not None:
                 found = [vg for vg in rule.grads(layer, uses) if id(vg.variable) in wanted]

@@ -139,6 +139,10 @@ class LayerRule:
       groupable: True (default) when every tensor of rank >= 1 in a capture has the rows as its
         leading axis, so that a privacy unit of several rows can be handed to ``grads`` as
         several uses (:func:`unit_uses`); False sends the layer to the per-layer fallback then.
+      units_as_positions: True when ``grads`` flattens every capture and gradient tensor
+        ``[B, ..., C]`` to positions ``[B, T, C]`` and concatenates the uses along ``T`` (e.g.
+        ``Dense``): a unit's ``K`` uses then arrive as one use whose tensors are reshaped to
+        ``[U, K, ..., C]``, which is that concatenation without copying (:func:`unit_uses`).
 
     Raises:
       TypeError: a rule without ``compose`` that leaves out ``forward`` or ``grads``.
@@ -152,6 +156,7 @@ class LayerRule:
     plan: Callable[[Any, Sequence[Any]], tuple[str, str]] = materialized_plan
     compose: Callable[[Any, tuple, dict, Callable], Any] | None = None
     groupable: bool = True
+    units_as_positions: bool = False
 
     def __post_init__(self) -> None:
         if self.compose is None and _composed_only in (self.forward, self.grads):
@@ -193,18 +198,42 @@ def from_per_example(
     )
 
 
-def unit_uses(uses: Sequence[Use], group_size: int) -> list[Use]:
+def unit_uses(uses: Sequence[Use], group_size: int, *, as_positions: bool = False) -> list[Use]:
     """Row-level uses -> unit-level uses: unit ``u`` (rows ``u*K .. u*K+K-1``) becomes one example
     that called the layer ``K`` times, so a rule's multi-use path gives per-unit quantities.
 
     Every tensor of rank >= 1 in a capture or gradient is split by its leading (row) axis; other
     values are passed through. Use ``k`` of the result holds row ``k`` of every unit.
 
+    With ``as_positions`` (a rule with ``units_as_positions``) and every such tensor of rank >= 2,
+    each use instead stays one use with its tensors reshaped ``[U*K, ...] -> [U, K, ...]``: for a
+    rule that flattens ``[B, ..., C]`` to positions and concatenates uses along them, that is the
+    same ``[U, K*T, C]`` tensor in the same order as the ``K`` split uses, without the copies.
+
     Privacy:
       Row ``u`` of the result depends on unit ``u`` alone.
     """
     if group_size == 1:
         return list(uses)
+
+    def ranks(use: Use) -> list[int]:
+        leaves = tf.nest.flatten((dict(use.capture), use.grad))
+        return [t.shape.rank for t in leaves if tf.is_tensor(t) and t.shape.rank]
+
+    if as_positions and all(r >= 2 for use in uses for r in ranks(use)):
+
+        def group(t: Any) -> Any:
+            if not (tf.is_tensor(t) and t.shape.rank):
+                return t
+            dims = t.shape[1:].as_list()
+            if None in dims:
+                return tf.reshape(t, tf.concat([[-1, group_size], tf.shape(t)[1:]], 0))
+            return tf.reshape(t, [-1, group_size, *dims])
+
+        return [
+            Use(capture=tf.nest.map_structure(group, dict(use.capture)), grad=group(use.grad))
+            for use in uses
+        ]
 
     def split(t: Any) -> list[Any]:
         if not (tf.is_tensor(t) and t.shape.rank):

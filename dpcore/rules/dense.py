@@ -27,6 +27,7 @@ from typing import Any, SupportsInt
 import keras
 import tensorflow as tf
 
+from dpcore import norms
 from dpcore.rules import linear
 from dpcore.rules.base import (
     LayerRule,
@@ -35,6 +36,7 @@ from dpcore.rules.base import (
     cast_input,
     from_per_example,
     quantized_variant,
+    weighted_rows,
 )
 
 # ------------------------------------------------------------------------------- shared pieces
@@ -115,14 +117,44 @@ def _dense_lora_grads(layer: Any, a: tf.Tensor, g: tf.Tensor) -> list[VariableGr
 def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     a = tf.concat([linear.as_sequence(u.capture["a"]) for u in uses], axis=1)
     g = tf.concat([linear.as_sequence(u.grad) for u in uses], axis=1)
+    bias = layer.bias if layer.bias is not None and layer.bias.trainable else None
+    if a.shape[1] == 1 and bias is not None and not layer.lora_enabled:
+        return _one_position_grads(layer.kernel, bias, a[:, 0], g[:, 0])
     if layer.lora_enabled:
         out = _dense_lora_grads(layer, a, g)
     else:
         out = [_outer_grad(layer.kernel, a, g)]
-    if layer.bias is not None and layer.bias.trainable:
+    if bias is not None:
         gb = tf.reduce_sum(tf.cast(g, tf.float32), axis=1)  # [B, P]
-        out.append(from_per_example(layer.bias, gb, path="ghost"))
+        out.append(from_per_example(bias, gb, path="ghost"))
     return out
+
+
+def _one_position_grads(kernel: Any, bias: Any, a: tf.Tensor, g: tf.Tensor) -> list[VariableGrad]:
+    """Kernel and bias of a layer with one position per example (``a [B, D]``, ``g [B, P]``): the
+    bias's per-example gradient is ``g`` itself, so both bounds share ``g``'s float64 row sums.
+
+    Privacy:
+      Row ``i`` of the norms depends on example ``i`` only; each bound is the one its variable
+      would get alone (:func:`dpcore.norms.outer_sq_norm_bound`, :func:`dpcore.norms.sq_norm_bound`).
+    """
+    g = tf.cast(g, tf.float32)
+    g_rows = norms.rows_sq_norm(g)
+    kernel_grad = VariableGrad(
+        variable=kernel,
+        sq_norm=norms.outer_sq_norm_bound(a, g, g_rows=g_rows),
+        weighted_sum=lambda w: tf.cast(
+            linear.weighted_outer(a[:, None], g[:, None], w), kernel.dtype
+        ),
+        path="ghost",
+    )
+    bias_grad = VariableGrad(
+        variable=bias,
+        sq_norm=norms.sq_norm_bound(g, rows=g_rows),
+        weighted_sum=lambda w: tf.cast(weighted_rows(g, w), bias.dtype),
+        path="ghost",
+    )
+    return [kernel_grad, bias_grad]
 
 
 def _dense_plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:
@@ -156,6 +188,7 @@ DENSE = LayerRule(
     forward=_dense_forward,
     grads=_dense_grads,
     plan=_dense_plan,
+    units_as_positions=True,
 )
 
 
