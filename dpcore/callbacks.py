@@ -22,6 +22,8 @@ Contract:
     tf.data transformation dropped, and gets a warning for a dataset of plain `(x, y)` batches.
     ε is always computed from the steps applied (`dp_steps`), never from `config.steps`.
   * Both work with any Keras 3 model and optimizer; nothing here touches Keras internals.
+  * `SwapPolyakWeights` evaluates (and predicts) with a `DPOptimizer`'s Polyak average of the
+    weights during `fit`, swapping it into the model for the evaluation and back afterwards.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dpcore.config import DPConfig
 from dpcore.optimizer import DPState, DPStateSource
 from dpcore.sampling import SamplingSpec
 
-__all__ = ["EpsilonCallback", "PrivacyBudgetGuard"]
+__all__ = ["EpsilonCallback", "PrivacyBudgetGuard", "SwapPolyakWeights"]
 
 
 def _dp_state(model: Any) -> DPState | None:
@@ -452,3 +454,56 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
                     f"would exceed epsilon={self.target_epsilon} at delta={self.target_delta} "
                     f"(limit {self.max_steps} steps)."
                 )
+
+
+class SwapPolyakWeights(keras.callbacks.Callback):
+    """Evaluates and predicts with the Polyak average of a ``DPOptimizer(polyak_start_step=...)``.
+
+    While a validation pass (or ``evaluate``/``predict`` inside ``fit``) runs, the model's
+    trainable weights hold the average; training resumes on the raw weights. Before the average
+    holds any step the model is left as it is. ``fit`` itself writes the average into the model
+    at the end of training (``DPOptimizer.finalize_variable_values``).
+
+    Privacy:
+      The average is a function of the released (noised) updates: post-processing, no cost.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._swapped = False
+
+    def _optimizer(self) -> Any:
+        optimizer = self.model.optimizer
+        if getattr(optimizer, "polyak_start_step", None) is None:
+            raise ValueError(
+                "SwapPolyakWeights needs a dpcore.DPOptimizer with polyak_start_step set; got "
+                f"{type(optimizer).__name__}."
+            )
+        return optimizer
+
+    def _swap(self) -> None:
+        self._optimizer().swap_polyak_weights()
+        self._swapped = not self._swapped
+
+    def _begin(self) -> None:
+        if not self._swapped and self._optimizer().polyak_count > 0:
+            self._swap()
+
+    def _end(self) -> None:
+        if self._swapped:
+            self._swap()
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._optimizer()  # a missing average fails here, before any step
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        self._begin()
+
+    def on_test_end(self, logs: Any = None) -> None:
+        self._end()
+
+    def on_predict_begin(self, logs: Any = None) -> None:
+        self._begin()
+
+    def on_predict_end(self, logs: Any = None) -> None:
+        self._end()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -132,6 +133,18 @@ def _check_inner(inner: Any) -> keras.optimizers.Optimizer:
     return inner
 
 
+def _check_polyak(start: Any, inner: keras.optimizers.Optimizer) -> None:
+    if start is None:
+        return
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 0:
+        raise ValueError(f"polyak_start_step must be None or an integer >= 0, got {start!r}.")
+    if inner.use_ema:
+        raise ValueError(
+            "polyak_start_step and the inner optimizer's use_ema=True are two weight averages "
+            "for one model; choose one."
+        )
+
+
 def _check_adaptive(config: Any, l2_norm_clip: Any, noise_multiplier: float) -> None:
     if not isinstance(config, AdaptiveClip):
         raise TypeError(f"adaptive_clip must be a dpcore.adaptive.AdaptiveClip, got {config!r}.")
@@ -205,6 +218,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
       seed: None (default) seeds the noise from OS entropy. An int or a pair of ints fixes it:
         for tests and reproducibility only.
       variable_groups: with a list of bounds, the group index of each trainable variable.
+      polyak_start_step: None (default: no Polyak averaging) or ``k >= 0``: keep the uniform
+        average of the weights after every logical step ``t > k`` (Polyak-Ruppert tail
+        averaging; ``0`` averages every step). Not together with the inner optimizer's EMA.
       adaptive_clip: None (fixed C) or an :class:`~dpcore.adaptive.AdaptiveClip`: C starts at
         ``l2_norm_clip`` (one flat bound) and follows a target quantile of the per-example norms.
         ``noise_multiplier`` is then the effective σ of each step (what ``DPConfig`` and the
@@ -216,7 +232,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     keeps an exponential moving average of the weights after each applied logical step, saved
     with the optimizer's variables; ``fit`` (and :meth:`finalize_variable_values` in a custom loop)
     writes it into the model at the end of training, and ``keras.callbacks.SwapEMAWeights``
-    evaluates with it during ``fit``.
+    evaluates with it during ``fit``. Or give ``polyak_start_step``: the uniform average of the
+    weights after the logical steps past it (:attr:`polyak_averages`, :attr:`polyak_count`), saved
+    and written into the model the same way; ``dpcore.callbacks.SwapPolyakWeights`` evaluates with
+    it during ``fit``.
 
     Privacy:
       Each logical step releases ``sum_i clip(g_i) + N(0, (σ C)^2 I)`` divided by a constant: the
@@ -240,6 +259,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed: int | Sequence[int] | None = None,
         variable_groups: Sequence[int] | None = None,
         adaptive_clip: AdaptiveClip | None = None,
+        polyak_start_step: int | None = None,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -267,7 +287,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
         if adaptive_clip is not None:
             _check_adaptive(adaptive_clip, l2_norm_clip, noise_multiplier)
+        _check_polyak(polyak_start_step, inner_optimizer)
         super().__init__(learning_rate=0.0, name=name)
+        self.polyak_start_step = None if polyak_start_step is None else int(polyak_start_step)
+        self._polyak_averages: list[Any] = []
+        self._polyak_targets: list[Any] = []
+        self._polyak_count: Any = None
         self.inner_optimizer = inner_optimizer
         if isinstance(l2_norm_clip, (list, tuple)):
             self.l2_norm_clip: float | tuple[float, ...] = tuple(float(c) for c in l2_norm_clip)
@@ -378,15 +403,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "DPOptimizer.build got no variables: the model has no trainable variables."
             )
         # Replicas hold identical (all-reduced) sums, so the first replica's value is the value.
-        accumulators: list[Any] = [
-            self.add_variable(
-                shape=v.shape,
-                dtype=v.dtype,
-                aggregation="only_first_replica",
-                name=_slot_name(v, "dp_accumulator"),
-            )
-            for v in var_list
-        ]
+        accumulators = self._slots(var_list, "dp_accumulator")
         if self.adaptive_clip is not None:  # the centred count, accumulated like the gradients
             accumulators.append(
                 self.add_variable(
@@ -394,8 +411,51 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 )
             )
         self._accumulators = accumulators
+        if self.polyak_start_step is not None:
+            self._polyak_count = self.add_variable(
+                shape=(), dtype="int64", aggregation="only_first_replica", name="polyak_count"
+            )
+            self._polyak_averages = self._slots(var_list, "polyak_average")
+            self._polyak_targets = var_list
         self.inner_optimizer.build(var_list)
         super().build(var_list)
+
+    def _slots(self, var_list: Sequence[Any], suffix: str) -> list[Any]:
+        """One zero-initialized variable per variable of ``var_list``, shaped like it."""
+        return [
+            self.add_variable(
+                shape=v.shape,
+                dtype=v.dtype,
+                aggregation="only_first_replica",
+                name=_slot_name(v, suffix),
+            )
+            for v in var_list
+        ]
+
+    @property
+    def polyak_averages(self) -> list[Any]:
+        """The Polyak averages, one variable per trainable variable (empty without
+        ``polyak_start_step`` or before :meth:`build`).
+
+        Privacy:
+          Functions of the released (noised) updates only: post-processing.
+        """
+        return list(self._polyak_averages)
+
+    def swap_polyak_weights(self) -> None:
+        """Exchanges the values of the variables the optimizer was built on with their Polyak
+        averages (twice restores both); :class:`dpcore.callbacks.SwapPolyakWeights` uses it."""
+        for var, average in zip(self._polyak_targets, self._polyak_averages):
+            raw = tf.identity(tf.convert_to_tensor(var))
+            var.assign(tf.convert_to_tensor(average))
+            average.assign(raw)
+
+    @property
+    def polyak_count(self) -> int:
+        """How many logical steps' weights the Polyak average holds (0 without averaging)."""
+        if self._polyak_count is None:
+            return 0
+        return int(keras.ops.convert_to_numpy(self._polyak_count))
 
     @property
     def variables(self) -> list[Any]:
@@ -415,7 +475,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """Writes the weight average (the inner optimizer's EMA, or the Polyak average once it
+        holds a step) into ``var_list``; ``fit`` calls it at the end of training."""
         self.inner_optimizer.finalize_variable_values(var_list)
+        if self._polyak_averages and self.polyak_count > 0:
+            for var, average in zip(var_list, self._polyak_averages):
+                var.assign(average)
 
     def scale_loss(self, loss: Any) -> Any:
         return loss
@@ -702,6 +767,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 a.assign(tf.zeros(a.shape, a.dtype))
             self.micro_steps.assign(0)
         self.dp_steps.assign_add(1)
+        if self._polyak_averages:
+            self._update_polyak(variables)
+
+    def _update_polyak(self, variables: Sequence[Any]) -> None:
+        """Adds the weights after this logical step to the uniform average, once the step is past
+        ``polyak_start_step``: ``avg += (w - avg) / n`` (``n`` the new count)."""
+        assert self.polyak_start_step is not None
+        step = tf.convert_to_tensor(self.dp_steps)
+        counted = tf.cast(step > self.polyak_start_step, tf.int64)
+        n = tf.convert_to_tensor(self._polyak_count) + counted
+        rate = tf.cast(counted, tf.float64) / tf.cast(tf.maximum(n, 1), tf.float64)
+        for var, average in zip(variables, self._polyak_averages):
+            value = tf.convert_to_tensor(var)
+            old = tf.convert_to_tensor(average)
+            average.assign(old + (value - old) * tf.cast(rate, average.dtype))
+        self._polyak_count.assign(n)
 
     def _update_adaptive_clip(self, count: tf.Tensor) -> None:
         """Noises the step's centred count once and moves C towards the target quantile."""
@@ -736,6 +817,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "seed": self._seed_arg,
             "variable_groups": None if self.variable_groups is None else list(self.variable_groups),
             "adaptive_clip": None if self.adaptive_clip is None else self.adaptive_clip.to_dict(),
+            "polyak_start_step": self.polyak_start_step,
         }
 
     @classmethod

@@ -104,3 +104,24 @@ BUILDERS = {
     "subclassed": subclassed,
     "two_input": two_input,
 }
+
+
+# Start of a script run in a subprocess: 2 logical CPUs (for a 2-replica MirroredStrategy, set
+# before any TensorFlow op), then `data`: one frozen pass of a Poisson sampler over 64 rows.
+TWO_REPLICA_DATA = """
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import numpy as np
+import dpcore
+from dpcore import sampling
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 5)).astype("float32")
+y = rng.integers(0, 3, 64).astype("int32")
+# One pass of the sampler, frozen, so both runs see the same samples (P = 43: not a multiple
+# of 2, so the split needs padding rows).
+elements = list(sampling.poisson_batches(x, y, sampling_prob=0.25, steps=6, seed=1))
+data = tf.data.Dataset.from_tensor_slices(tuple(tf.stack(p) for p in zip(*elements)))
+"""

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from dpcore.model import DPModel, make_private
 from dpcore.optimizer import DPOptimizer
+from tests.models import TWO_REPLICA_DATA
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -298,23 +299,9 @@ def test_fit_over_sampler_epochs_draws_fresh_samples_and_counts_every_step(rng):
     )
 
 
-_REPLICA_FIT_SCRIPT = """
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras
-import numpy as np
-import dpcore
-from dpcore import sampling
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(64, 5)).astype("float32")
-y = rng.integers(0, 3, 64).astype("int32")
-# One pass of the sampler, frozen, so both runs see the same samples (P = 43: not a multiple
-# of 2, so the split needs padding rows).
-elements = list(sampling.poisson_batches(x, y, sampling_prob=0.25, steps=6, seed=1))
-data = tf.data.Dataset.from_tensor_slices(tuple(tf.stack(p) for p in zip(*elements)))
-
+_REPLICA_FIT_SCRIPT = (
+    TWO_REPLICA_DATA
+    + """
 
 def build():
     init = keras.initializers.GlorotUniform(seed=0)
@@ -344,6 +331,7 @@ print("RESULT", err, moved, P := elements[0][2].shape[0], single[3], multi[3],
       single[1]["accuracy"][-1], multi[1]["accuracy"][-1],
       single[2]["loss"], multi[2]["loss"])
 """
+)
 
 
 @pytest.mark.slow
