@@ -768,17 +768,19 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self.micro_steps.assign(0)
         self.dp_steps.assign_add(1)
         if self._polyak_averages:
-            self._update_polyak(variables)
+            self._update_polyak()
 
-    def _update_polyak(self, variables: Sequence[Any]) -> None:
+    def _update_polyak(self) -> None:
         """Adds the weights after this logical step to the uniform average, once the step is past
-        ``polyak_start_step``: ``avg += (w - avg) / n`` (``n`` the new count)."""
+        ``polyak_start_step``: ``avg += (w - avg) / n`` (``n`` the new count). The weights are the
+        variables the optimizer was built on, paired with the averages made for them, whichever
+        variables this step's gradients were for."""
         assert self.polyak_start_step is not None
         step = tf.convert_to_tensor(self.dp_steps)
         counted = tf.cast(step > self.polyak_start_step, tf.int64)
         n = tf.convert_to_tensor(self._polyak_count) + counted
         rate = tf.cast(counted, tf.float64) / tf.cast(tf.maximum(n, 1), tf.float64)
-        for var, average in zip(variables, self._polyak_averages):
+        for var, average in zip(self._polyak_targets, self._polyak_averages):
             value = tf.convert_to_tensor(var)
             old = tf.convert_to_tensor(average)
             average.assign(old + (value - old) * tf.cast(rate, average.dtype))
