@@ -475,11 +475,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
-        """Writes the weight average (the inner optimizer's EMA, or the Polyak average once it
-        holds a step) into ``var_list``; ``fit`` calls it at the end of training."""
+        """Writes the weight average into the model: the inner optimizer's EMA into ``var_list``,
+        or the Polyak average (once it holds a step) into the variables it was made for; ``fit``
+        calls it at the end of training."""
         self.inner_optimizer.finalize_variable_values(var_list)
         if self._polyak_averages and self.polyak_count > 0:
-            for var, average in zip(var_list, self._polyak_averages):
+            for var, average in zip(self._polyak_targets, self._polyak_averages):
                 var.assign(average)
 
     def scale_loss(self, loss: Any) -> Any:

@@ -216,19 +216,20 @@ def unit_uses(uses: Sequence[Use], group_size: int, *, as_positions: bool = Fals
     if group_size == 1:
         return list(uses)
 
-    def ranks(use: Use) -> list[int]:
-        leaves = tf.nest.flatten((dict(use.capture), use.grad))
-        return [t.shape.rank for t in leaves if tf.is_tensor(t) and t.shape.rank]
+    def has_rows(t: Any) -> bool:
+        return tf.is_tensor(t) and bool(t.shape.rank)
 
-    if as_positions and all(r >= 2 for use in uses for r in ranks(use)):
+    def to_units(t: tf.Tensor) -> tf.Tensor:  # [U*K, ...] -> [U, K, ...]
+        dims = t.shape[1:].as_list()
+        if None in dims:
+            return tf.reshape(t, tf.concat([[-1, group_size], tf.shape(t)[1:]], 0))
+        return tf.reshape(t, [-1, group_size, *dims])
+
+    leaves = [tf.nest.flatten((dict(use.capture), use.grad)) for use in uses]
+    if as_positions and all(t.shape.rank >= 2 for ls in leaves for t in ls if has_rows(t)):
 
         def group(t: Any) -> Any:
-            if not (tf.is_tensor(t) and t.shape.rank):
-                return t
-            dims = t.shape[1:].as_list()
-            if None in dims:
-                return tf.reshape(t, tf.concat([[-1, group_size], tf.shape(t)[1:]], 0))
-            return tf.reshape(t, [-1, group_size, *dims])
+            return to_units(t) if has_rows(t) else t
 
         return [
             Use(capture=tf.nest.map_structure(group, dict(use.capture)), grad=group(use.grad))
@@ -236,15 +237,13 @@ def unit_uses(uses: Sequence[Use], group_size: int, *, as_positions: bool = Fals
         ]
 
     def split(t: Any) -> list[Any]:
-        if not (tf.is_tensor(t) and t.shape.rank):
+        if not has_rows(t):
             return [t] * group_size
-        units = tf.reshape(t, tf.concat([[-1, group_size], tf.shape(t)[1:]], 0))
-        return tf.unstack(units, num=group_size, axis=1)
+        return tf.unstack(to_units(t), num=group_size, axis=1)
 
     out = []
-    for use in uses:
-        leaves = tf.nest.flatten((dict(use.capture), use.grad))
-        parts = [split(t) for t in leaves]
+    for use, use_leaves in zip(uses, leaves):
+        parts = [split(t) for t in use_leaves]
         for k in range(group_size):
             capture, grad = tf.nest.pack_sequence_as(
                 (dict(use.capture), use.grad), [p[k] for p in parts]
