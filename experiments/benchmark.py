@@ -500,8 +500,9 @@ def measure(
 
     Returns:
       A row with ``median_ms``, ``step_ms`` (every timed step), ``peak_rss_mb`` (whole process),
-      ``step_peak_rss_mb`` (peak during the timed steps, tracing excluded), ``peak_device_mb``
-      (GPU only), ``trace_s`` (the first call) and the engine paths taken.
+      ``step_peak_rss_mb`` (peak during the timed steps, tracing excluded), ``rss_anon_after_mb``
+      and ``rss_file_after_mb`` (resident memory after the steps: anonymous pages, then pages of
+      mapped files such as the libraries' code), ``peak_device_mb`` (GPU only), ``trace_s`` (the first call) and the engine paths taken.
 
     Privacy:
       Runs on synthetic data only.
@@ -551,6 +552,9 @@ def measure(
     _gpu_memory(reset=True)
     times, loss = run_steps(steps)
     step_peak = common.proc_status_kb("VmHWM") if hwm_reset else None
+    # Resident memory after the steps, split into anonymous pages (heap, tensors) and pages of
+    # mapped files (the code of the libraries loaded, XLA's compiler included).
+    rss_anon, rss_file = (common.proc_status_kb(f) for f in ("RssAnon", "RssFile"))
     top = (
         profile_top_ops(step, (x, y), top=profile_ops, steps=profile_steps) if profile_ops else None
     )
@@ -564,6 +568,8 @@ def measure(
         "peak_rss_mb": common.peak_rss_mb(),
         "step_peak_rss_mb": None if step_peak is None else step_peak / 1024,
         "rss_before_steps_mb": rss_before_mb,
+        "rss_anon_after_mb": None if rss_anon is None else rss_anon / 1024,
+        "rss_file_after_mb": None if rss_file is None else rss_file / 1024,
         "peak_device_mb": _gpu_memory(),
         "params": int(sum(int(tf.size(v)) for v in model.trainable_variables)),
         "final_loss": loss,
