@@ -355,9 +355,25 @@ class DPModel(keras.Model):
         """
         if self.train_function is not None and not force:
             return self.train_function
+        self._build_optimizer_before_tracing()
         super().make_train_function(force=force)
         self.train_function: Callable[[Any], Any] = self._in_whole_steps(self.train_function)
         return self.train_function
+
+    def _build_optimizer_before_tracing(self) -> None:
+        """Creates the optimizer's variables eagerly, before the train function is traced.
+
+        Without a distribution strategy Keras defers this to the first trace. A
+        ``tf.function`` whose first trace creates variables is traced a second time, and both
+        traced programs stay in memory: for the DP step, several thousand operations each (about
+        80 MB of resident memory for a 2-layer BERT, and twice the tracing time).
+        """
+        if self.optimizer is None or self.optimizer.built or tf.inside_function():
+            return
+        variables = self.trainable_variables
+        if variables:  # an unbuilt model is built by the first trace, and the optimizer with it
+            with self.distribute_strategy.scope():
+                self.optimizer.build(variables)
 
     def _in_whole_steps(self, run_chunk: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``run_chunk(iterator)`` (one batch), called until the logical step has ended while

@@ -65,6 +65,16 @@ def test_fit_with_noise0_clip_inf_equals_plain_keras_fit(rng):
     np.testing.assert_allclose(dp.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5)
 
 
+class TraceCounting(DPModel):
+    """A DPModel that counts the traces of its train step."""
+
+    traces = 0
+
+    def train_step(self, data):
+        self.traces += 1
+        return super().train_step(data)
+
+
 def padded_dataset(x, y, mask, step_end):
     return (
         tf.data.Dataset.from_tensor_slices((x, y, mask))
@@ -114,14 +124,7 @@ def test_fit_accumulates_sampler_chunks_and_traces_once(rng):
         (tf.data.Dataset.from_tensor_slices((x, y, mask)).batch(8), ends)
     ).map(lambda b, e: (b[0], b[1], b[2], e))
 
-    class Counting(DPModel):
-        traces = 0
-
-        def train_step(self, data):
-            Counting.traces += 1
-            return super().train_step(data)
-
-    chunk_model = Counting(small_mlp())
+    chunk_model = TraceCounting(small_mlp())
     chunk_model.compile(
         DPOptimizer(
             keras.optimizers.Adam(0.05),
@@ -133,7 +136,7 @@ def test_fit_accumulates_sampler_chunks_and_traces_once(rng):
     )
     chunk_model.optimizer.build(chunk_model.trainable_variables)
     chunk_model.fit(chunked, epochs=3, verbose=0)
-    assert Counting.traces == 1
+    assert chunk_model.traces == 1
     assert int(chunk_model.optimizer.dp_steps) == 6
 
     big = make_private(
@@ -147,6 +150,24 @@ def test_fit_accumulates_sampler_chunks_and_traces_once(rng):
     big.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     for a, b in zip(weights(chunk_model.model), weights(big.model)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_fit_traces_its_step_once_without_a_built_optimizer(rng):
+    """fit creates the optimizer's variables before tracing: a first trace that created them
+    would be followed by a second one, both held in memory."""
+    x, y = data(rng, 32)
+
+    dp = TraceCounting(small_mlp())
+    dp.compile(
+        DPOptimizer(
+            keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=8
+        ),
+        loss=LOSS,
+    )
+    assert not dp.optimizer.built
+    dp.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert dp.traces == 1
+    assert int(dp.optimizer.dp_steps) == 8
 
 
 def test_all_padding_batch_is_a_noise_only_step(rng):
