@@ -502,14 +502,36 @@ def test_apply_clipped_sum_rejects_changed_sensitivity():
         opt.apply_clipped_sum(clipped(2.0), variables)
 
 
+def _with_entries(variables, entries):
+    """Zero sums shaped like ``variables``, with ``{(variable index, flat index): value}`` set."""
+    out = [np.zeros(v.shape, np.float32) for v in variables]
+    for (j, i), value in entries.items():
+        out[j].reshape(-1)[i] = value
+    return tuple(tf.constant(a) for a in out)
+
+
+NONFINITE_SUMS = {
+    "all NaN": None,
+    "one NaN, last variable": {(-1, 0): np.nan},
+    "one +Inf, last entry of the first": {(0, -1): np.inf},
+    "one -Inf": {(1, 3): -np.inf},
+    "+Inf and -Inf in two variables": {(0, 0): np.inf, (-1, -1): -np.inf},
+}
+
+
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_nonfinite_clipped_sum_never_reaches_the_weights(accumulation_steps):
+@pytest.mark.parametrize("pattern", list(NONFINITE_SUMS))
+def test_nonfinite_clipped_sum_never_reaches_the_weights(accumulation_steps, pattern):
     model = wide_model()
     opt = make_opt(accumulation_steps=accumulation_steps)
     variables = model.trainable_variables
     opt.build(variables)
     before = weights(model)
-    bad = tuple(tf.fill(v.shape, np.float32(np.nan)) for v in variables)
+    entries = NONFINITE_SUMS[pattern]
+    if entries is None:
+        bad = tuple(tf.fill(v.shape, np.float32(np.nan)) for v in variables)
+    else:
+        bad = _with_entries(variables, entries)
 
     @tf.function
     def apply(grads):
