@@ -131,6 +131,9 @@ def dp_train_step(
 
     Computes per-example gradients of ``loss`` (one compiled program, no retrace per step), clips
     each to ``optimizer.l2_norm_clip``, and lets ``optimizer`` accumulate, noise and apply them.
+    Build the optimizer before the first call (``optimizer.build(model.trainable_variables)``):
+    otherwise the first trace creates its variables, and ``tf.function`` then traces the step a
+    second time and keeps both programs (``make_private(...).fit`` does this itself).
 
     Args:
       model: a built Keras model.
