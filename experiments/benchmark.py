@@ -502,7 +502,8 @@ def measure(
       A row with ``median_ms``, ``step_ms`` (every timed step), ``peak_rss_mb`` (whole process),
       ``step_peak_rss_mb`` (peak during the timed steps, tracing excluded), ``rss_anon_after_mb``
       and ``rss_file_after_mb`` (resident memory after the steps: anonymous pages, then pages of
-      mapped files such as the libraries' code), ``peak_device_mb`` (GPU only), ``trace_s`` (the first call) and the engine paths taken.
+      mapped files such as the libraries' code), ``peak_device_mb`` (GPU only), ``trace_s`` (the
+      first call) and the engine paths taken.
 
     Privacy:
       Runs on synthetic data only.
