@@ -31,6 +31,7 @@ summation order.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "XLA_MIN_WORK",
     "abs_max",
     "compile_batched_product",
+    "dim",
     "dot_gamma",
     "ghost_sq_norm_bound",
     "gram",
@@ -90,26 +92,31 @@ def dot_gamma(
 
     ``|fl(x . y) - x . y| <= dot_gamma(n) * sum |x_k y_k|`` for any summation order: Higham's
     ``gamma_n = n u / (1 - n u)``, widened by the rounding of the inputs (TF32/bfloat16 matmuls).
-    ``n`` may be a Python number or a scalar tensor (dynamic lengths); infinite when ``n u >= 1/2``.
+    ``n`` may be a Python number (the result is then a Python float, computed at trace time by the
+    same float64 operations, so the traced program holds no operations for it) or a scalar tensor
+    (dynamic lengths); infinite when ``n u >= 1/2``.
     """
     u_in = matmul_input_roundoff() if input_roundoff is None else input_roundoff
+    if isinstance(n, numbers.Real):
+        nu = float(n) * roundoff
+        gamma = nu / (1.0 - nu) if nu < 0.5 else float("inf")
+        return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
     nu = tf.cast(n, tf.float64) * roundoff
     gamma = tf.where(nu < 0.5, nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
     return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
 
 
-def _static_dot_gamma(n: int | None) -> Any:
-    """:func:`dot_gamma` for a static length, as a Python float (computed at trace time)."""
-    if n is None:
-        return dot_gamma(n)
-    u_in = matmul_input_roundoff()
-    nu = float(n) * F32_ROUNDOFF
-    gamma = nu / (1.0 - nu) if nu < 0.5 else float("inf")
-    return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
+def dim(t: tf.Tensor, axis: int) -> Any:
+    """The length of ``t`` along ``axis``: a Python int when static, else a scalar tensor."""
+    n = t.shape[axis]
+    return int(n) if n is not None else tf.shape(t)[axis]
 
 
 def _sum64_inflation(n: Any) -> Any:
-    """``1 + gamma_n`` for a float64 sum of ``n`` non-negative terms (plus a few roundings)."""
+    """``1 + gamma_n`` for a float64 sum of ``n`` non-negative terms (plus a few roundings); a
+    Python float for a Python number ``n`` (the same float64 operations, at trace time)."""
+    if isinstance(n, numbers.Real):
+        return 1.0 + (float(n) + 4.0) * (2.0 * F64_ROUNDOFF)
     return 1.0 + (tf.cast(n, tf.float64) + 4.0) * (2.0 * F64_ROUNDOFF)
 
 
@@ -137,8 +144,12 @@ def sq_norm_bound(
     Privacy:
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
-    n = tf.cast(tf.size(per_example), tf.float64) / tf.cast(
-        tf.maximum(tf.shape(per_example)[0], 1), tf.float64
+    row = per_example.shape[1:]
+    n = (
+        row.num_elements()
+        if row.is_fully_defined()
+        else tf.cast(tf.size(per_example), tf.float64)
+        / tf.cast(tf.maximum(tf.shape(per_example)[0], 1), tf.float64)
     )
     rows = rows_sq_norm(per_example) if rows is None else rows
     sq = rows * _sum64_inflation(n)
@@ -150,19 +161,19 @@ def sq_norm_bound(
 def _position_norms(t: tf.Tensor) -> tf.Tensor:
     """``[B, T, K] -> [B, T]`` float64 upper bounds of each position's norm."""
     t64 = tf.cast(t, tf.float64)
-    return tf.sqrt(tf.reduce_sum(tf.square(t64), axis=-1) * _sum64_inflation(tf.shape(t)[-1]))
+    return tf.sqrt(tf.reduce_sum(tf.square(t64), axis=-1) * _sum64_inflation(dim(t, -1)))
 
 
 def sum_of_norms(t: tf.Tensor) -> tf.Tensor:
     """``[B, T, K] -> [B]`` float64 upper bound of ``sum_t ||t[i, t]||``."""
-    return tf.reduce_sum(_position_norms(t), axis=1) * _sum64_inflation(tf.shape(t)[1])
+    return tf.reduce_sum(_position_norms(t), axis=1) * _sum64_inflation(dim(t, 1))
 
 
 def triangle_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     """``[B]`` float64 upper bound of ``sum_t ||a_t|| ||g_t||`` for ``a [B,T,D]``, ``g [B,T,P]``:
     the triangle-inequality bound of ``||A^T G||_F`` and the scale of its rounding errors."""
     prods = _position_norms(a) * _position_norms(g)
-    return tf.reduce_sum(prods, axis=1) * _sum64_inflation(tf.shape(a)[1])
+    return tf.reduce_sum(prods, axis=1) * _sum64_inflation(dim(a, 1))
 
 
 def outer_sq_norm_bound(
@@ -199,10 +210,6 @@ def abs_max(t: tf.Tensor, axis: list[int]) -> tf.Tensor:
     """``max |t|`` over ``axis`` as ``max(max t, -min t)``: the same value (NaN where TensorFlow's
     maxima propagate it) without a copy of ``|t|`` the size of ``t``."""
     return tf.maximum(tf.reduce_max(t, axis=axis), -tf.reduce_min(t, axis=axis))
-
-
-def _positions(t: tf.Tensor) -> Any:
-    return t.shape[1] if t.shape[1] is not None else tf.shape(t)[1]
 
 
 def ghost_sq_norm_bound(
@@ -336,9 +343,9 @@ def gram_sq_norm_bound(
     Privacy:
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
-    t = _positions(aa)
+    t = dim(aa, 1)
     ma, mg, sa, sg = a_max, g_max, a_scale, g_scale
-    ga, gp_ = _static_dot_gamma(d), _static_dot_gamma(p)
+    ga, gp_ = dot_gamma(d), dot_gamma(p)
     # Upper bounds of the scaled rows' norms, from the (non-negative) diagonal sums ([B, T]).
     na = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(aa), tf.float64), 0.0) * (1.0 + ga))
     ng = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(gg), tf.float64), 0.0) * (1.0 + gp_))
@@ -347,7 +354,8 @@ def gram_sq_norm_bound(
     root_e = tf.reduce_sum(na * ng, axis=1)  # >= sum_t |a_t||g_t| (scaled): triangle bound
     # The matmuls' error terms are sums of non-negative float32 products (scaled operands: no
     # overflow): computed in float32 and widened by that sum's own gamma; the norms rounded up.
-    t2 = tf.cast(t, tf.float64) ** 2
+    tt = float(t) if isinstance(t, int) else tf.cast(t, tf.float64)
+    t2 = tt**2
     up = 1.0 + 4.0 * F32_ROUNDOFF
     na32 = tf.cast(na * up, tf.float32)
     ng32 = tf.cast(ng * up, tf.float32)
@@ -367,7 +375,6 @@ def gram_sq_norm_bound(
     root = tf.minimum(root, root_e * (1.0 + 4.0 * F64_ROUNDOFF))
     # Rescaling (a reciprocal, then a product) moves each scaled entry by <= 2u + u^2 relative,
     # or by <= 2^-126 when it flushes to zero; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2.
-    tt = tf.cast(t, tf.float64)
     lam = (4.0 * F32_ROUNDOFF + 7.0 * F32_ROUNDOFF**2) * root_e + tt * (
         (float(d) ** 0.5 + float(p) ** 0.5 + 1.0) * 4.0 * _F32_TINY
     )

@@ -417,3 +417,20 @@ def test_dp_model_logs_skipped_examples():
     history = dp_model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert history.history["skipped"] == [1.0, 1.0]
     assert all(np.isfinite(history.history["loss"]))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 784, 3 * 128**2 + 3, 2**22, 2**23 - 1, 2**23, 2**40])
+def test_static_error_terms_equal_their_traced_form(n):
+    """For a static length the error terms are Python floats computed at trace time (no ops in
+    the traced step); they must equal, bit for bit, what the float64 ops give for a tensor."""
+    tensor_n = tf.constant(n, tf.int64)
+    for roundoff in (None, 0.0):
+        kwargs = {} if roundoff is None else {"input_roundoff": roundoff}
+        static = norms.dot_gamma(n, **kwargs)
+        assert isinstance(static, float)
+        assert static == float(norms.dot_gamma(tensor_n, **kwargs).numpy())
+    static = norms._sum64_inflation(n)
+    assert isinstance(static, float)
+    assert static == float(norms._sum64_inflation(tensor_n).numpy())
+    half = n + 0.5  # a non-integer length (the bound formulas pass T^2 + 2)
+    assert norms.dot_gamma(half) == float(norms.dot_gamma(tf.constant(half, tf.float64)).numpy())

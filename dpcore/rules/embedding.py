@@ -87,7 +87,7 @@ def id_rows_grad(table: Any, ids: tf.Tensor, g: tf.Tensor) -> VariableGrad:
     else:
         # The same-id sums and the clipped sum's scatter add the same terms in different orders:
         # each differs from the exact sums by at most gamma_T * sum_t ||g_t|| (dpcore.norms).
-        slack = 2.0 * norms.dot_gamma(tf.shape(ids)[1]) * norms.sum_of_norms(g)
+        slack = 2.0 * norms.dot_gamma(norms.dim(ids, 1)) * norms.sum_of_norms(g)
         sq = tf.square(tf.sqrt(same_id_sq_norm(ids, g)) + slack)
     vocab = int(table.shape[0])
 

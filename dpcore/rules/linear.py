@@ -48,7 +48,7 @@ def sq_norm(a: tf.Tensor, g: tf.Tensor, path: str) -> tf.Tensor:
         return norms.ghost_sq_norm_bound(a, g, contribution=True)
     # The materialized product is not what the book-keeping sum multiplies: bound both.
     mat = tf.sqrt(norms.sq_norm_bound(materialize(a, g), weighted_by_matmul=False))
-    slack = 2.0 * norms.dot_gamma(tf.shape(a)[1]) * norms.triangle_bound(a, g)
+    slack = 2.0 * norms.dot_gamma(norms.dim(a, 1)) * norms.triangle_bound(a, g)
     return tf.square(mat + slack)
 
 
