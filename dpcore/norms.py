@@ -5,9 +5,11 @@ Contract: a clip factor ``min(1, C / norm)`` keeps an example's contribution wit
 per example, a **float64 upper bound of the squared norm** that holds for every finite input, in
 the precision the hardware really computes in:
 
-- sums of squares are taken in float64, where the square of any float32 (or float16/bfloat16)
-  value is exact and can neither overflow nor underflow, and the float64 summation error
-  ``gamma_n`` (``n * 2^-53``) is added;
+- sums of squares of long rows are float32 partial sums of 16 (8, 4) squares added in float64,
+  widened by ``gamma_16`` and by an absolute term for squares that flush to zero; a row whose
+  float32 partial sums overflow, short rows and float64 tensors are summed in float64, where the
+  square of any float32 (or float16/bfloat16) value is exact and can neither overflow nor
+  underflow; the float64 summation error ``gamma_n`` (``n * 2^-53``) is added;
 - the ghost identity ``||A^T G||_F^2 = sum_{s,t} (a_s . a_t)(g_s . g_t)`` is evaluated on operands
   rescaled to magnitude 1 per example (so nothing overflows or flushes to zero), and the rounding
   error of its float32 matmuls is added explicitly:
@@ -120,10 +122,84 @@ def _sum64_inflation(n: Any) -> Any:
     return 1.0 + (tf.cast(n, tf.float64) + 4.0) * (2.0 * F64_ROUNDOFF)
 
 
+# Rows of at least this many float32 entries are summed in chunks (below); shorter rows, and rows
+# whose length no chunk size divides, are summed in float64 directly.
+_CHUNKED_MIN_LENGTH = 64
+
+
+def _chunk_size(n: Any) -> int:
+    """Entries per float32 partial sum for rows of static length ``n`` (1: no chunking)."""
+    if not isinstance(n, int) or n < _CHUNKED_MIN_LENGTH:
+        return 1
+    return next((k for k in (16, 8, 4) if n % k == 0), 1)
+
+
+def _as_float(n: Any) -> Any:
+    """A length as a Python float (static) or a float64 scalar tensor (dynamic)."""
+    return float(n) if isinstance(n, int) else tf.cast(n, tf.float64)
+
+
+def _float64_sq_sums(t: tf.Tensor) -> tf.Tensor:
+    """Upper bounds of the sums of squares of the rows of ``t [M, n]``, summed in float64."""
+    n = dim(t, 1)
+    t32 = tf.cast(t, tf.float32)
+    # The squares of float32 values are exact in float64, but a flush-to-zero CPU reads an input
+    # below 2^-126 as zero: a row with any non-zero bit pattern gets n 2^-126 more (its squares
+    # are below 2^-252 each), and a row of zeros keeps its exact bound, zero.
+    bits = tf.bitwise.bitwise_and(tf.bitcast(t32, tf.int32), 0x7FFFFFFF)
+    nonzero = tf.reduce_any(tf.not_equal(bits, 0), axis=1)
+    sums = tf.reduce_sum(tf.square(tf.cast(t32, tf.float64)), axis=1)
+    tiny = tf.cast(nonzero, tf.float64) * (_as_float(n) * _F32_TINY)
+    return (sums + tiny) * _sum64_inflation(n)
+
+
+def _sq_sums(t: tf.Tensor) -> tf.Tensor:
+    """``[M]`` float64 upper bounds of the sums of squares of the rows of ``t [M, n]``.
+
+    Rows of a static length ``n >= 64`` that 16, 8 or 4 (``k``) divides are summed in float32, in
+    ``n / k`` partial sums of ``k`` adjacent entries each, and the partial sums are then added in
+    float64: half the memory traffic of widening every entry to float64. A float32 square is off
+    by at most ``u = 2^-24`` relative, or ``2^-126`` absolute when it flushes to zero; a float32
+    sum of ``k`` non-negative terms, in any order, by at most ``gamma_k`` relative in all (squares
+    included) and ``2^-126`` per flushed addition. So the exact sum is at most ``(S + 2 n
+    2^-126)(1 + gamma_k)``, ``S`` the sum of the partial sums, widened by the float64 sum's own
+    ``gamma``: ``gamma_16 ~ 1e-6`` relative on the squared norm. A row whose float32 partial sums
+    overflow (an entry above about ``1.8e19``, or Inf) or are all zero (a row of zeros, or of
+    entries below ``2^-63``) is summed again in float64, that row alone, so that no row's bound
+    depends on another row and a row of zeros gets zero. Other rows (and float64 tensors) are
+    summed in float64.
+    """
+    n = dim(t, 1)
+    if t.dtype == tf.float64:
+        return tf.reduce_sum(tf.square(t), axis=1) * _sum64_inflation(n)
+    k = _chunk_size(n)
+    if k == 1:
+        return _float64_sq_sums(t)
+    t32 = tf.cast(t, tf.float32)  # exact for float16 and bfloat16
+    # Adjacent entries: TensorFlow's order of a row's middle-axis sums can depend on the number
+    # of rows (so on the other examples); its innermost sums of a row do not.
+    partial = tf.reduce_sum(tf.reshape(tf.square(t32), [-1, n // k, k]), axis=2)
+    sums = tf.reduce_sum(tf.cast(partial, tf.float64), axis=1)
+    # The float64 sum of n / k terms, the addition of the absolute term and the product (whose
+    # factor is itself rounded once): _sum64_inflation's spare roundings cover the last three.
+    factor = (1.0 + dot_gamma(k, input_roundoff=0.0)) * _sum64_inflation(n // k)
+    bound = (sums + 2.0 * n * _F32_TINY) * factor
+    again = tf.where(tf.math.is_inf(sums) | tf.equal(sums, 0.0))
+    return tf.tensor_scatter_nd_update(bound, again, _float64_sq_sums(tf.gather_nd(t32, again)))
+
+
 def rows_sq_norm(t: tf.Tensor) -> tf.Tensor:
-    """Exact-ish ``[B]`` float64 sums of squares of each row of ``t`` (not yet inflated)."""
-    t64 = tf.cast(t, tf.float64)
-    return tf.reduce_sum(tf.reshape(tf.square(t64), [tf.shape(t64)[0], -1]), axis=1)
+    """``[B]`` float64 upper bounds of the sums of squares of each row of ``t [B, ...]``.
+
+    Never below the exact sum, for every input and whatever the summation order (NaN or Inf for
+    a row holding NaN or Inf); see :func:`_sq_sums`.
+    """
+    row = t.shape[1:]
+    if row.is_fully_defined() and row.num_elements() == 0:
+        return tf.zeros([tf.shape(t)[0]], tf.float64)
+    if row.is_fully_defined():
+        return _sq_sums(tf.reshape(t, [-1, row.num_elements()]))
+    return _sq_sums(tf.reshape(t, [tf.shape(t)[0], -1]))
 
 
 def sq_norm_bound(
@@ -144,15 +220,7 @@ def sq_norm_bound(
     Privacy:
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
-    row = per_example.shape[1:]
-    n = (
-        row.num_elements()
-        if row.is_fully_defined()
-        else tf.cast(tf.size(per_example), tf.float64)
-        / tf.cast(tf.maximum(tf.shape(per_example)[0], 1), tf.float64)
-    )
-    rows = rows_sq_norm(per_example) if rows is None else rows
-    sq = rows * _sum64_inflation(n)
+    sq = rows_sq_norm(per_example) if rows is None else rows
     if weighted_by_matmul:
         sq = sq * (1.0 + 2.0 * matmul_input_roundoff() + 2.0 * F32_ROUNDOFF) ** 2
     return sq
@@ -160,8 +228,9 @@ def sq_norm_bound(
 
 def _position_norms(t: tf.Tensor) -> tf.Tensor:
     """``[B, T, K] -> [B, T]`` float64 upper bounds of each position's norm."""
-    t64 = tf.cast(t, tf.float64)
-    return tf.sqrt(tf.reduce_sum(tf.square(t64), axis=-1) * _sum64_inflation(dim(t, -1)))
+    k = t.shape[-1]
+    flat = tf.reshape(t, [-1, k]) if k is not None else tf.reshape(t, [-1, tf.shape(t)[-1]])
+    return tf.reshape(tf.sqrt(_sq_sums(flat)), tf.shape(t)[:-1])
 
 
 def sum_of_norms(t: tf.Tensor) -> tf.Tensor:
@@ -194,9 +263,7 @@ def outer_sq_norm_bound(
       float64 ``[B]``.
     """
     g_rows = rows_sq_norm(g) if g_rows is None else g_rows
-    sq = rows_sq_norm(a) * g_rows
-    sq = sq * _sum64_inflation(a.shape[-1] or 1) * _sum64_inflation(g.shape[-1] or 1)
-    return sq * (1.0 + dot_gamma(2)) ** 2
+    return rows_sq_norm(a) * g_rows * (1.0 + dot_gamma(2)) ** 2
 
 
 def row_scale(t: tf.Tensor) -> tf.Tensor:

@@ -270,6 +270,60 @@ def test_ghost_bound_covers_exact_norm_in_float64(rng, graph):
     np.testing.assert_array_less(bound[[0, 2]], exact[[0, 2]] * (1 + 1e-3))
 
 
+def _adversarial_rows(rng, n):
+    """float32 rows of length ``n`` whose sums of squares float32 gets wrong in every way."""
+    rows = rng.normal(size=(9, n))
+    rows[1] *= 1e20  # every square overflows float32
+    rows[2] = 0.0
+    rows[2, n // 2] = 3e19  # one square overflows
+    rows[3] = 1e-30  # every square flushes to zero
+    rows[4] = 0.0
+    rows[5, ::2] *= 1e-25  # half flush, half are normal
+    rows[6] = np.where(np.arange(n) % 2, 1.7e19, -1.7e19)  # squares fit, their sum does not
+    rows[7] *= 1e-19  # squares near the smallest normal float32
+    rows[8] = np.float32(np.finfo(np.float32).max)
+    return rows.astype("float32")
+
+
+@pytest.mark.parametrize("n", [8, 97, 100, 784, 1024])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_row_sums_of_squares_are_certified_and_tight(rng, n, dtype):
+    """The float32 partial sums behind every norm bound (`rows_sq_norm`): never below the exact
+    sum of squares (exact rational arithmetic), within 1e-5 of it unless the row's squares are
+    below the float32 normal range, eagerly and in a graph of unknown batch size; a row's bound
+    is the one it gets alone (an overflowing row is summed again by itself); non-finite rows give
+    non-finite bounds."""
+    from fractions import Fraction
+
+    rows = tf.cast(tf.constant(_adversarial_rows(rng, n)), dtype)
+    stored = rows.numpy().astype(np.float64)  # the values as the dtype holds them
+    finite = np.isfinite(stored).all(axis=1)
+    exact = np.array(
+        [
+            float(sum(Fraction(float(v)) ** 2 for v in row)) if ok else np.inf
+            for row, ok in zip(stored, finite)
+        ]
+    )
+    graph = tf.function(norms.rows_sq_norm, input_signature=[tf.TensorSpec([None, n], dtype)])
+    bound = norms.rows_sq_norm(rows).numpy()
+    np.testing.assert_array_equal(graph(rows).numpy(), bound)
+    assert np.all(bound[finite] >= exact[finite]), (bound, exact)
+    assert np.all(np.isfinite(bound[finite]))
+    assert np.all(~np.isfinite(bound[~finite]))
+    # Tight: the absolute term for squares that flush to zero is 2 n 2^-126 at most.
+    slack = 2 * n * 2.0**-126 * (1 + 1e-5)
+    np.testing.assert_array_less(bound[finite], exact[finite] * (1 + 1e-5) + slack)
+    assert bound[4] == 0.0  # a row of zeros
+    for i in range(len(stored)):
+        alone = norms.rows_sq_norm(rows[i : i + 1]).numpy()[0]
+        assert alone == bound[i] or (np.isnan(alone) and np.isnan(bound[i])), i
+    poisoned = rows.numpy().copy()
+    poisoned[0, 1], poisoned[4, 0] = np.nan, np.inf
+    bad = norms.rows_sq_norm(tf.constant(poisoned)).numpy()
+    assert np.isnan(bad[0]) and np.isinf(bad[4])
+    np.testing.assert_array_equal(bad[5:], bound[5:])
+
+
 def test_gram_in_a_graph_is_compiled_and_within_the_dot_product_model(rng):
     """``norms.gram`` in a graph runs XLA's batched matmul: every entry stays within the float32
     dot-product error the ghost bound assumes, and a NaN reaches its example's entries only."""
