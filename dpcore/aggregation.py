@@ -234,11 +234,10 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
       data, so a step may make it before its forward pass.
     """
     seed = tf.cast(seed, tf.int64)
-    out = []
-    for j, t in enumerate(like):
-        s = tf.random.experimental.stateless_fold_in(seed, j)
-        out.append(_box_muller(t.shape, seed=s))
-    return out
+    # fold_in(seed, j) is [r, j] with r one draw from seed, the same for every j: drawn once here
+    # (the same values as calling fold_in per tensor, with a few operations fewer per tensor).
+    r = tf.random.stateless_uniform([], seed=seed, dtype=tf.int32, minval=None, maxval=None)
+    return [_box_muller(t.shape, seed=tf.stack([r, j])) for j, t in enumerate(like)]
 
 
 def _box_muller(shape: Any, *, seed: tf.Tensor) -> tf.Tensor:
@@ -253,9 +252,9 @@ def _box_muller(shape: Any, *, seed: tf.Tensor) -> tf.Tensor:
     shape = tf.TensorShape(shape)
     n = shape.num_elements()
     half = (n + 1) // 2
-    u = tf.random.stateless_uniform([2, half], seed=seed, dtype=tf.float32)
-    radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
-    angle = (2.0 * math.pi) * u[1]
+    u0, u1 = tf.unstack(tf.random.stateless_uniform([2, half], seed=seed, dtype=tf.float32))
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-u0))
+    angle = (2.0 * math.pi) * u1
     z = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
     return tf.reshape(z[:n] if 2 * half != n else z, shape)
 

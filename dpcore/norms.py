@@ -123,8 +123,9 @@ def _sum64_inflation(n: Any) -> Any:
 
 
 # Rows of at least this many float32 entries are summed in chunks (below); shorter rows, and rows
-# whose length no chunk size divides, are summed in float64 directly.
-_CHUNKED_MIN_LENGTH = 64
+# whose length no chunk size divides, are summed in float64 directly (fewer operations in the
+# traced step, and the float64 traffic of short rows is small).
+_CHUNKED_MIN_LENGTH = 256
 
 
 def _chunk_size(n: Any) -> int:
@@ -156,7 +157,7 @@ def _float64_sq_sums(t: tf.Tensor) -> tf.Tensor:
 def _sq_sums(t: tf.Tensor) -> tf.Tensor:
     """``[M]`` float64 upper bounds of the sums of squares of the rows of ``t [M, n]``.
 
-    Rows of a static length ``n >= 64`` that 16, 8 or 4 (``k``) divides are summed in float32, in
+    Rows of a static length ``n >= 256`` that 16, 8 or 4 (``k``) divides are summed in float32, in
     ``n / k`` partial sums of ``k`` adjacent entries each, and the partial sums are then added in
     float64: half the memory traffic of widening every entry to float64. A float32 square is off
     by at most ``u = 2^-24`` relative, or ``2^-126`` absolute when it flushes to zero; a float32
