@@ -141,17 +141,25 @@ def _as_float(n: Any) -> Any:
 
 
 def _float64_sq_sums(t: tf.Tensor) -> tf.Tensor:
-    """Upper bounds of the sums of squares of the rows of ``t [M, n]``, summed in float64."""
+    """Upper bounds of the sums of squares of the rows of ``t [M, n]``, summed in float64.
+
+    The square of a float32 (float16, bfloat16) value is exact in float64, but a flush-to-zero
+    CPU reads an input below ``2^-126`` as zero (TensorFlow's casts included): such an input's
+    square is below ``2^-252``. A float64 input's square, or a partial sum, below ``2^-1022`` may
+    flush to zero. A row holding any non-zero bit pattern gets that absolute term per entry (a
+    bit test, which flushing cannot hide); a row of zeros keeps its exact bound, zero.
+    """
     n = dim(t, 1)
-    t32 = tf.cast(t, tf.float32)
-    # The squares of float32 values are exact in float64, but a flush-to-zero CPU reads an input
-    # below 2^-126 as zero: a row with any non-zero bit pattern gets n 2^-126 more (its squares
-    # are below 2^-252 each), and a row of zeros keeps its exact bound, zero.
-    bits = tf.bitwise.bitwise_and(tf.bitcast(t32, tf.int32), 0x7FFFFFFF)
+    if t.dtype == tf.float64:
+        wide, lost = t, 2.0 * 2.0**-1022
+        bits = tf.bitwise.bitwise_and(tf.bitcast(t, tf.int64), 0x7FFFFFFFFFFFFFFF)
+    else:
+        t32 = tf.cast(t, tf.float32)
+        wide, lost = tf.cast(t32, tf.float64), 2.0**-252
+        bits = tf.bitwise.bitwise_and(tf.bitcast(t32, tf.int32), 0x7FFFFFFF)
     nonzero = tf.reduce_any(tf.not_equal(bits, 0), axis=1)
-    sums = tf.reduce_sum(tf.square(tf.cast(t32, tf.float64)), axis=1)
-    tiny = tf.cast(nonzero, tf.float64) * (_as_float(n) * _F32_TINY)
-    return (sums + tiny) * _sum64_inflation(n)
+    sums = tf.reduce_sum(tf.square(wide), axis=1)
+    return (sums + tf.cast(nonzero, tf.float64) * (_as_float(n) * lost)) * _sum64_inflation(n)
 
 
 def _sq_sums(t: tf.Tensor) -> tf.Tensor:
@@ -166,15 +174,13 @@ def _sq_sums(t: tf.Tensor) -> tf.Tensor:
     2^-126)(1 + gamma_k)``, ``S`` the sum of the partial sums, widened by the float64 sum's own
     ``gamma``: ``gamma_16 ~ 1e-6`` relative on the squared norm. A row whose float32 partial sums
     overflow (an entry above about ``1.8e19``, or Inf) or are all zero (a row of zeros, or of
-    entries below ``2^-63``) is summed again in float64, that row alone, so that no row's bound
-    depends on another row and a row of zeros gets zero. Other rows (and float64 tensors) are
-    summed in float64.
+    entries below ``2^-63``) is summed again by :func:`_float64_sq_sums`, that row alone, so that
+    no row's bound depends on another row and a row of zeros gets zero. Other rows (and float64
+    tensors) are summed by :func:`_float64_sq_sums`.
     """
     n = dim(t, 1)
-    if t.dtype == tf.float64:
-        return tf.reduce_sum(tf.square(t), axis=1) * _sum64_inflation(n)
     k = _chunk_size(n)
-    if k == 1:
+    if k == 1 or t.dtype == tf.float64:
         return _float64_sq_sums(t)
     t32 = tf.cast(t, tf.float32)  # exact for float16 and bfloat16
     # Adjacent entries: TensorFlow's order of a row's middle-axis sums can depend on the number

@@ -271,8 +271,8 @@ def test_ghost_bound_covers_exact_norm_in_float64(rng, graph):
 
 
 def _adversarial_rows(rng, n):
-    """float32 rows of length ``n`` whose sums of squares float32 gets wrong in every way."""
-    rows = rng.normal(size=(9, n))
+    """Rows of length ``n`` whose sums of squares float32 (or float64) gets wrong in every way."""
+    rows = rng.normal(size=(10, n))
     rows[1] *= 1e20  # every square overflows float32
     rows[2] = 0.0
     rows[2, n // 2] = 3e19  # one square overflows
@@ -282,13 +282,14 @@ def _adversarial_rows(rng, n):
     rows[6] = np.where(np.arange(n) % 2, 1.7e19, -1.7e19)  # squares fit, their sum does not
     rows[7] *= 1e-19  # squares near the smallest normal float32
     rows[8] = np.float32(np.finfo(np.float32).max)
-    return rows.astype("float32")
+    rows[9] = 1e-160  # zero in float32; in float64 every square flushes to zero
+    return rows
 
 
 @pytest.mark.parametrize("n", [8, 97, 260, 264, 784, 1024])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 def test_row_sums_of_squares_are_certified_and_tight(rng, n, dtype):
-    """The float32 partial sums behind every norm bound (`rows_sq_norm`): never below the exact
+    """The sums of squares behind every norm bound (`rows_sq_norm`): never below the exact
     sum of squares (exact rational arithmetic), within 1e-5 of it unless the row's squares are
     below the float32 normal range, eagerly and in a graph of unknown batch size; a row's bound
     is the one it gets alone (an overflowing row is summed again by itself); non-finite rows give
