@@ -235,9 +235,7 @@ def sq_norm_bound(
 
 def _position_norms(t: tf.Tensor) -> tf.Tensor:
     """``[B, T, K] -> [B, T]`` float64 upper bounds of each position's norm."""
-    k = t.shape[-1]
-    flat = tf.reshape(t, [-1, k]) if k is not None else tf.reshape(t, [-1, tf.shape(t)[-1]])
-    return tf.reshape(tf.sqrt(_sq_sums(flat)), tf.shape(t)[:-1])
+    return tf.reshape(tf.sqrt(_sq_sums(tf.reshape(t, [-1, dim(t, -1)]))), tf.shape(t)[:-1])
 
 
 def sum_of_norms(t: tf.Tensor) -> tf.Tensor:

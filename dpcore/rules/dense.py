@@ -132,7 +132,8 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
 
 def _one_position_grads(kernel: Any, bias: Any, a: tf.Tensor, g: tf.Tensor) -> list[VariableGrad]:
     """Kernel and bias of a layer with one position per example (``a [B, D]``, ``g [B, P]``): the
-    bias's per-example gradient is ``g`` itself, so both bounds share ``g``'s float64 row sums.
+    bias's per-example gradient is ``g`` itself, so both bounds share ``g``'s row sums of squares
+    (:func:`dpcore.norms.rows_sq_norm`).
 
     Privacy:
       Row ``i`` of the norms depends on example ``i`` only; each bound is the one its variable
