@@ -105,8 +105,8 @@ class ClippedSum:
 def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float | tf.Tensor) -> tf.Tensor:
     """``min(1, l2_norm_clip / norm)`` elementwise (1 for a zero norm), in float64.
 
-    ``l2_norm_clip`` is a Python number (checked here) or a scalar tensor holding a bound checked
-    where it was set (the adaptive bound variable).
+    ``l2_norm_clip`` is a Python number (checked here) or a tensor (scalar, or one budget per
+    example) holding a bound checked where it was set (the adaptive bound variable).
 
     Privacy:
       A gradient of norm at most ``norm`` scaled by the factor has norm at most ``l2_norm_clip``.
@@ -152,7 +152,10 @@ def clip(
     The norms are the engine's certified upper bounds (:mod:`dpcore.norms`), combined and turned
     into factors in float64; the factors are rounded toward zero to float32. So each example's
     contribution to ``grads`` has norm at most ``C * (1 + CONTRIBUTION_TOLERANCE)`` whatever its
-    values, the tolerance covering the float32 products of the weighted sum itself.
+    values, the tolerance covering the float32 products of the weighted sum itself. Where the
+    weighted sum has an error that does not shrink with the factor (``summary.sum_errors``: a
+    flushed ``w g`` in a product with activations near float32's limit), the factor clips to
+    ``C`` minus that error (to zero if the error exceeds ``C``).
 
     Args:
       summary: the engine's per-example norms and weighted-sum function for one batch.
@@ -191,10 +194,11 @@ def clip(
         one_hot = tf.one_hot(groups, len(bounds), dtype=tf.float64)  # [V, G]
         # Summing float64 squares adds at most gamma_V: keep the result an upper bound.
         group_norms = tf.sqrt(tf.matmul(sq, one_hot) * _sum_inflation(num_vars))  # [B, G]
-        factors = tf.minimum(
-            tf.constant(1.0, tf.float64),
-            tf.constant(bounds, tf.float64) / tf.maximum(group_norms, _TINY),
-        )
+        budget = tf.constant(bounds, tf.float64)[None, :]
+        if summary.sum_errors is not None:
+            errors = tf.matmul(tf.cast(summary.sum_errors, tf.float64), one_hot)
+            budget = tf.maximum(budget - errors * _sum_inflation(num_vars), 0.0)
+        factors = tf.minimum(tf.constant(1.0, tf.float64), budget / tf.maximum(group_norms, _TINY))
         weights = tf.matmul(factors, one_hot, transpose_b=True)  # [B, V]
         sensitivity = math.sqrt(sum(c * c for c in bounds))
     else:
@@ -203,7 +207,11 @@ def clip(
             if isinstance(l2_norm_clip, numbers.Real)
             else tf.cast(l2_norm_clip, tf.float64)
         )
-        factors = clip_factors(total_norm_bound(sq), l2_norm_clip=c)
+        budget = c
+        if summary.sum_errors is not None:
+            errors = tf.reduce_sum(tf.cast(summary.sum_errors, tf.float64), axis=1)
+            budget = tf.maximum(c - errors * _sum_inflation(num_vars), 0.0)
+        factors = clip_factors(total_norm_bound(sq), l2_norm_clip=budget)
         weights = tf.tile(factors[:, None], [1, num_vars])
         sensitivity = c
         if count_unclipped:

@@ -11,11 +11,16 @@ the precision the hardware really computes in:
   square of any float32 (or float16/bfloat16) value is exact and can neither overflow nor
   underflow; the float64 summation error ``gamma_n`` (``n * 2^-53``) is added;
 - the ghost identity ``||A^T G||_F^2 = sum_{s,t} (a_s . a_t)(g_s . g_t)`` is evaluated on operands
-  rescaled to magnitude 1 per example (so nothing overflows or flushes to zero), and the rounding
-  error of its float32 matmuls is added explicitly:
+  divided by their largest magnitude per example (so nothing overflows), and the rounding error of
+  its float32 matmuls is added explicitly:
   ``gamma_D sum |a_s||a_t| |g_s . g_t| + gamma_P sum |a_s . a_t| |g_s||g_t| + gamma_D gamma_P E``,
-  with ``E = (sum_t |a_t| |g_t|)^2`` (Higham's bound for dot products of length D and P); the bound
-  is capped by the triangle inequality ``sqrt(E)``, which always holds;
+  with ``E = (sum_t |a_t| |g_t|)^2`` (Higham's bound for dot products of length D and P), plus
+  ``3 D 2^-126`` (``3 P 2^-126``) per Gram entry for products and sums that flush to zero (a
+  position 2^64 times smaller than the example's largest has a Gram diagonal of exactly 0); the
+  bound is capped by the triangle inequality ``sqrt(E)``, which always holds;
+- a book-keeping product ``A^T diag(w) G`` also has an error that does not shrink with ``w``: a
+  flushed ``w g`` loses up to ``2^-126 |a|``. :func:`outer_sum_error` bounds it per example; the
+  clip factor is taken against ``C`` minus it (:func:`dpcore.aggregation.clip`);
 - where the released clipped sum is computed from other tensors than the norm (book-keeping
   products ``A^T diag(w) G`` instead of the materialized per-example gradient), the rounding of
   that product over the example's own ``T`` positions, ``gamma_T sqrt(E)``, is added to the norm,
@@ -60,6 +65,7 @@ __all__ = [
     "gram_sq_norm_bound",
     "matmul_input_roundoff",
     "outer_sq_norm_bound",
+    "outer_sum_error",
     "row_scale",
     "rows_sq_norm",
     "scale_rows",
@@ -133,6 +139,12 @@ def _chunk_size(n: Any) -> int:
     if not isinstance(n, int) or n < _CHUNKED_MIN_LENGTH:
         return 1
     return next((k for k in (16, 8, 4) if n % k == 0), 1)
+
+
+def _inverse_complement(gamma: float) -> float:
+    """``1 / (1 - gamma)`` (infinite for ``gamma >= 1``): a non-negative float32 sum computed as
+    ``c`` is at most ``c / (1 - gamma)`` exactly."""
+    return 1.0 / (1.0 - gamma) if gamma < 1.0 else float("inf")
 
 
 def _as_float(n: Any) -> Any:
@@ -271,6 +283,38 @@ def outer_sq_norm_bound(
     return rows_sq_norm(a) * g_rows * (1.0 + dot_gamma(2)) ** 2
 
 
+def outer_sum_error(t: Any, d: int, p: int, a_max: tf.Tensor, g_max: tf.Tensor) -> tf.Tensor:
+    """``[B]`` float64 bound of the error, beyond relative rounding, of what an example adds to
+    a book-keeping product ``sum_t a_t (w g_t)^T`` (``A^T diag(w) G``, a convolution's filter
+    gradient, a scatter of ``w g``) for any weight ``0 <= w <= 1``: the flush to zero of
+    ``w g`` below ``2^-126``, of subnormal inputs, and of products and sums.
+
+    A flushed ``w g_{t,p}`` moves entry ``(k, p)`` by up to ``2^-126 |a_{t,k}|`` whatever ``w``
+    is, so this error does not shrink with the clip factor: with ``|a| ~ 1e38`` and a factor that
+    puts ``w g`` at the edge of the normal range, a record of norm ``C`` used to add ``4 C``.
+    It is ``2 T sqrt(D P) 2^-126 (a_max + g_max + 2)``: ``2^-126 sqrt(P) sum_t |a_t|`` for the
+    flushed weighted entries, ``2^-126 sqrt(D) sum_t |g_t|`` for subnormal inputs read as zero,
+    ``2 T sqrt(D P) 2^-126`` for the flushed products and sums, doubled for their own rounding.
+    :func:`dpcore.aggregation.clip` spends it out of ``C``.
+
+    Args:
+      t: positions per example (a Python int or a scalar tensor).
+      d: entries of each ``a_t`` (static).
+      p: entries of each ``g_t`` (static).
+      a_max: ``[B]`` an upper bound of each example's largest ``|a|`` (NaN/Inf when non-finite).
+      g_max: ``[B]`` each example's largest ``|g|`` as read: 0 when every ``g`` entry reads as
+        zero, whose weighted terms are then all exactly zero (the error is 0).
+
+    Returns:
+      float64 ``[B]``; about ``1e-37`` times the magnitudes for ordinary data.
+    """
+    per_position = 2.0 * (float(d) * float(p)) ** 0.5 * _F32_TINY
+    g_max = tf.cast(g_max, tf.float64)
+    magnitudes = tf.cast(a_max, tf.float64) + g_max + 2.0
+    err = _as_float(t) * per_position * magnitudes * (1.0 + 8.0 * F64_ROUNDOFF)
+    return tf.where(g_max > 0, err, tf.zeros_like(err))
+
+
 def row_scale(t: tf.Tensor) -> tf.Tensor:
     """``[B]`` float32 largest magnitude of each row of ``t`` (1 for an all-zero row; NaN or Inf
     for a row holding NaN or Inf): the ``a_scale`` of :func:`ghost_sq_norm_bound`."""
@@ -285,8 +329,13 @@ def abs_max(t: tf.Tensor, axis: list[int]) -> tf.Tensor:
 
 
 def ghost_sq_norm_bound(
-    a: tf.Tensor, g: tf.Tensor, *, contribution: bool = True, a_scale: tf.Tensor | None = None
-) -> tf.Tensor:
+    a: tf.Tensor,
+    g: tf.Tensor,
+    *,
+    contribution: bool = True,
+    a_scale: tf.Tensor | None = None,
+    with_sum_error: bool = False,
+) -> Any:
     """Certified bound of ``||A_i^T G_i||_F^2`` by the ghost identity, ``a [B,T,D]``, ``g [B,T,P]``.
 
     Args:
@@ -295,19 +344,21 @@ def ghost_sq_norm_bound(
       contribution: also bound the rounding of a book-keeping product over the example's ``T``
         positions (``A^T diag(w) G``, or a convolution's filter gradient), which is how the clipped
         sum is formed when the per-example gradient is never materialized.
-      a_scale: ``[B]``: when given, ``a`` was already multiplied by ``1 / a_scale`` (one float32
-        reciprocal per example), with ``a_scale`` the row's largest magnitude (1 for an all-zero
+      a_scale: ``[B]``: when given, ``a`` was already divided by ``a_scale`` (in float32),
+        with ``a_scale`` the row's largest magnitude (1 for an all-zero
         row, NaN/Inf for a non-finite one). A convolution scales its input this way before
         unfolding it, on a tensor ``window`` times smaller than the patches.
+      with_sum_error: also return :func:`outer_sum_error` for the book-keeping product.
 
     Returns:
-      float64 ``[B]``; non-finite when a row of ``a`` or ``g`` is.
+      float64 ``[B]``; non-finite when a row of ``a`` or ``g`` is. With ``with_sum_error``, the
+      pair ``(bound, sum_error)``.
 
     Privacy:
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
     d, p = a.shape[-1], g.shape[-1]
-    # Per-example scale to magnitude ~1 (one reciprocal per example, then a multiply): nothing
+    # Per-example scale to magnitude ~1 (a float32 division per entry): nothing
     # below overflows or flushes to zero. NaN rows stay NaN (reduce_max propagates NaN), infinite
     # rows become NaN after scaling.
     if a_scale is None:
@@ -318,9 +369,12 @@ def ghost_sq_norm_bound(
     gp, sg, mg = scale_rows(g)
     aa = gram(ap)  # [B, T, T] float32
     gg = gram(gp)
-    return gram_sq_norm_bound(
+    sq = gram_sq_norm_bound(
         aa, gg, d=d, p=p, a_scale=sa, g_scale=sg, a_max=ma, g_max=mg, contribution=contribution
     )
+    if not with_sum_error:
+        return sq
+    return sq, outer_sum_error(dim(a, 1), d, p, sa, mg)
 
 
 # Per-example multiply-adds from which a batched product is compiled by XLA inside a graph
@@ -366,13 +420,15 @@ def gram(x: tf.Tensor) -> tf.Tensor:
 
 def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """``(g / s, s, m)`` for ``g [B, T, P]``: each example divided by its largest magnitude ``m``
-    (``s = m``, or 1 for an all-zero example; one float32 reciprocal per example, then a product),
+    (``s = m``, or 1 for an all-zero example; one float32 division per entry),
     as :func:`gram_sq_norm_bound` expects its operands. NaN rows stay NaN, infinite rows become
     NaN."""
     g = tf.cast(g, tf.float32)
     m = abs_max(g, axis=[1, 2])
     s = tf.where(m > 0, m, tf.ones_like(m))
-    return g * (1.0 / s)[:, None, None], s, m
+    # A division, not a product with 1 / s: that reciprocal is subnormal for s > 2^126 and flushes
+    # to zero (every scaled entry with it).
+    return g / s[:, None, None], s, m
 
 
 def gram_sq_norm_bound(
@@ -418,38 +474,57 @@ def gram_sq_norm_bound(
     t = dim(aa, 1)
     ma, mg, sa, sg = a_max, g_max, a_scale, g_scale
     ga, gp_ = dot_gamma(d), dot_gamma(p)
-    # Upper bounds of the scaled rows' norms, from the (non-negative) diagonal sums ([B, T]).
-    na = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(aa), tf.float64), 0.0) * (1.0 + ga))
-    ng = tf.sqrt(tf.maximum(tf.cast(tf.linalg.diag_part(gg), tf.float64), 0.0) * (1.0 + gp_))
+    tt = _as_float(t)
+    t2 = tt**2
+    # Underflow: a float32 product or partial sum below 2^-126 may flush to zero, so each Gram
+    # entry is also off by up to 3 n 2^-126 absolute (2n - 1 flushed operations, each error carried
+    # through the later roundings), which no relative bound covers: a row whose scaled entries are
+    # all below 2^-63 has a Gram diagonal of 0 however large its gradient.
+    # An example whose operand is zero has exact zeros (no flushed operation): no term.
+    eps_a = tf.cast(tf.cast(ma, tf.float64) > 0, tf.float64) * (3.0 * d * _F32_TINY)  # [B]
+    eps_g = tf.cast(tf.cast(mg, tf.float64) > 0, tf.float64) * (3.0 * p * _F32_TINY)
+    # Upper bounds of the scaled rows' norms ([B, T]): a non-negative sum computed as c is at most
+    # (c + eps) / (1 - gamma) exactly; the float64 additions, product and root round up by 2^-50.
+    inv_a, inv_g = (_inverse_complement(gamma) * (1.0 + 2.0**-50) for gamma in (ga, gp_))
+    diag_a = tf.maximum(tf.cast(tf.linalg.diag_part(aa), tf.float64), 0.0)
+    diag_g = tf.maximum(tf.cast(tf.linalg.diag_part(gg), tf.float64), 0.0)
+    na = tf.sqrt((diag_a + eps_a[:, None]) * inv_a)
+    ng = tf.sqrt((diag_g + eps_g[:, None]) * inv_g)
     # The identity's value in float64 (its T^2 terms are what may cancel).
     s = tf.reduce_sum(tf.cast(aa, tf.float64) * tf.cast(gg, tf.float64), axis=[1, 2])
     root_e = tf.reduce_sum(na * ng, axis=1)  # >= sum_t |a_t||g_t| (scaled): triangle bound
-    # The matmuls' error terms are sums of non-negative float32 products (scaled operands: no
-    # overflow): computed in float32 and widened by that sum's own gamma; the norms rounded up.
-    tt = float(t) if isinstance(t, int) else tf.cast(t, tf.float64)
-    t2 = tt**2
-    up = 1.0 + 4.0 * F32_ROUNDOFF
-    na32 = tf.cast(na * up, tf.float32)
-    ng32 = tf.cast(ng * up, tf.float32)
-    err_a = tf.einsum("bs,bst,bt->b", na32, tf.abs(gg), na32)
-    err_g = tf.einsum("bs,bst,bt->b", ng32, tf.abs(aa), ng32)
-    widen = 1.0 + dot_gamma(t2 + 2.0, input_roundoff=0.0)
+    sum_na, sum_ng = tf.reduce_sum(na, axis=1), tf.reduce_sum(ng, axis=1)
+    # Each computed entry is off by at most gamma |a_s||a_t| + eps (and |aa_st| <= (1 + gamma)
+    # |a_s||a_t| + eps), so sum |d(aa) gg| + |aa d(gg)| + |d(aa) d(gg)| is at most the relative
+    # terms (err_a, err_g, ga gp E) plus the absolute ones below. Summed in float64, where none of
+    # these products of float32 values and norms >= 2^-63 can underflow.
+    abs_gg, abs_aa = tf.abs(tf.cast(gg, tf.float64)), tf.abs(tf.cast(aa, tf.float64))
+    err_a = tf.einsum("bs,bst,bt->b", na, abs_gg, na)
+    err_g = tf.einsum("bs,bst,bt->b", ng, abs_aa, ng)
     err = (
-        ga * tf.cast(err_a, tf.float64) * widen
-        + gp_ * tf.cast(err_g, tf.float64) * widen
+        ga * err_a
+        + gp_ * err_g
         + ga * gp_ * tf.square(root_e)
+        + eps_a * (1.0 + 2.0 * gp_) * tf.square(sum_ng)
+        + eps_g * (1.0 + 2.0 * ga) * tf.square(sum_na)
+        + 3.0 * t2 * eps_a * eps_g
     )
     # The float64 [B, T, T] products and sum add at most gamma_{T^2 + 3} (float64) of sum |.|,
-    # and sum |aa * gg| <= (sum_t |a_t||g_t|)^2 (with the matmul error, 1 + ga, 1 + gp).
-    abs_sum = tf.square(root_e) * (1.0 + ga) * (1.0 + gp_)
-    err = err + (t2 + 3.0) * 2.0 * F64_ROUNDOFF * abs_sum
-    root = tf.sqrt(tf.maximum(s + err * _sum64_inflation(t2), 0.0)) * _sum64_inflation(4.0)
-    root = tf.minimum(root, root_e * (1.0 + 4.0 * F64_ROUNDOFF))
-    # Rescaling (a reciprocal, then a product) moves each scaled entry by <= 2u + u^2 relative,
-    # or by <= 2^-126 when it flushes to zero; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2.
-    lam = (4.0 * F32_ROUNDOFF + 7.0 * F32_ROUNDOFF**2) * root_e + tt * (
-        (float(d) ** 0.5 + float(p) ** 0.5 + 1.0) * 4.0 * _F32_TINY
+    # and sum |aa * gg| <= (1 + ga)(1 + gp) E + the absolute terms, E = (sum_t |a_t||g_t|)^2.
+    abs_sum = (
+        tf.square(root_e) * (1.0 + ga) * (1.0 + gp_)
+        + eps_a * (1.0 + gp_) * tf.square(sum_ng)
+        + eps_g * (1.0 + ga) * tf.square(sum_na)
+        + t2 * eps_a * eps_g
     )
+    err = err + (t2 + 3.0) * 2.0 * F64_ROUNDOFF * abs_sum
+    root = tf.sqrt(tf.maximum(s + err * _sum64_inflation(3.0 * t2 + 8.0), 0.0))
+    root = tf.minimum(root * _sum64_inflation(4.0), root_e * (1.0 + 4.0 * F64_ROUNDOFF))
+    # Rescaling (a division, or a reciprocal then a product) moves each scaled entry by <= 2u + u^2,
+    # or by <= 2^-126 when it flushes to zero: |a_t - a'_t| <= 2^-126 sqrt(D) per position, against
+    # |g_t| <= sqrt(P), and the same for g; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2.
+    flushed = 3.0 * (float(d) * float(p)) ** 0.5 + 4.0 * (float(d) ** 0.5 + float(p) ** 0.5 + 1.0)
+    lam = (4.0 * F32_ROUNDOFF + 7.0 * F32_ROUNDOFF**2) * root_e + tt * (flushed * _F32_TINY)
     if contribution:
         lam = lam + dot_gamma(tt) * root_e * (1.0 + 2.0 * F32_ROUNDOFF)
     scale = tf.cast(sa, tf.float64) * tf.cast(sg, tf.float64)

@@ -168,6 +168,65 @@ def test_overflowing_activations_are_clipped(rng):
     _check_record(model, x, y)
 
 
+def _two_position_dense(out_kernel):
+    """``[2, 4]`` inputs -> a trainable sequence Dense (kernel zeros, ghost path) -> a fixed
+    projection of both positions to one output, so the output gradients per position are fixed
+    multiples of ``dL/dout`` (``out_kernel [8]``)."""
+    inputs = keras.Input((2, 4))
+    seq = keras.layers.Dense(4, use_bias=False, name="seq_dense", kernel_initializer="zeros")
+    head = keras.layers.Dense(1, use_bias=False, trainable=False, name="head")
+    model = keras.Model(inputs, head(keras.layers.Flatten()(seq(inputs))))
+    head.kernel.assign(np.asarray(out_kernel, "float32").reshape(8, 1))
+    assert dpcore.explain(model).paths()["seq_dense"] == "ghost"
+    return model
+
+
+def test_record_whose_scaled_products_flush_is_clipped(rng):
+    """Position 0 holds 2^64 x the features of position 1, and gets no gradient: after scaling
+    to magnitude 1, position 1's entries are 2^-64 and their products flush to zero, so the Gram
+    matrices said the gradient (that of position 1 alone, norm 2000) was ~0."""
+    model = _two_position_dense([0, 0, 0, 0, 1, 0, 0, 0])  # only position 1 reaches the loss
+    x = rng.normal(size=(3, 2, 4)).astype("float32")
+    y = rng.normal(size=(3, 1)).astype("float32")
+    x[0, 1] = 1000.0
+    x[0, 0] = 1000.0 * 2.0**64
+    y[0] = 0.5  # dL/dout = 2 (0 - 0.5) = -1: the record's gradient is x[0, 1] (x) (-1, 0, 0, 0)
+    moved = _check_record(model, x, y)
+    # Clipped, not dropped (the fast path's bound is loose for such a record, up to ~8x here:
+    # the flushed entries are only known to be below 2^-126 each).
+    assert moved["vectorized"] > 0.5 * C and moved["fast"] > 0.05 * C, moved
+
+
+def test_weighted_terms_that_flush_cannot_exceed_the_clip_bound():
+    """The clipped sum multiplies the factor into the output gradients, ``a^T (w g)``. With
+    ``|a| = 3e38`` and ``g = (-1, 0.75)`` over two positions the exact gradient is ``0.25 |a|``,
+    the factor ``4 / |a|`` puts ``w g_0`` just above the smallest normal float32 and ``w g_1``
+    just below it, where it flushes to zero: the cancelling term was lost and the record added
+    ``4 C``. Its flush error is now spent out of C (here all of it: the record adds nothing)."""
+    model = _two_position_dense([1, 0, 0, 0, -0.75, 0, 0, 0])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 2, 4)).astype("float32")
+    y = rng.normal(size=(3, 1)).astype("float32")
+    x[0] = 0.0
+    x[0, :, 0] = 3e38
+    y[0] = 0.5  # dL/dout = -1: g = (-1, 0.75) on feature 0
+    s = dpcore.summarize(model, MSE, x, y, options=ExecutionOptions(training=False))
+    w = aggregation.round_down_f32(
+        aggregation.clip_factors(aggregation.total_norm_bound(s.sq_norms), l2_norm_clip=C)
+    )
+    # The scenario holds: factor normal, one weighted term normal and the other one flushed.
+    assert np.float32(w[0]) >= np.finfo(np.float32).tiny
+    assert np.float32(w[0]) * np.float32(0.75) < np.finfo(np.float32).tiny <= np.float32(w[0])
+    unbudgeted = np.linalg.norm(
+        s.weighted_sum(tf.tensor_scatter_nd_update(tf.zeros([3, 1], tf.float32), [[0, 0]], [w[0]]))[
+            0
+        ].numpy()
+    )
+    assert unbudgeted > 3.0 * C  # what the record would add with the factor of its norm alone
+    assert float(s.sum_errors.numpy()[0].sum()) > C
+    _check_record(model, x, y)
+
+
 def test_conv_cancelling_offsets_are_clipped(rng):
     inputs = keras.Input((4, 8))
     h = keras.layers.Conv1D(32, 2, name="conv")(inputs)
@@ -178,6 +237,25 @@ def test_conv_cancelling_offsets_are_clipped(rng):
     x[0] = np.stack([a, -a, a, -a + 1e-2])
     y = np.array([[1e5], [0.0], [1.0]], "float32")
     _check_record(model, x, y)
+
+
+def test_conv_input_above_2_to_126_is_clipped(rng):
+    """A convolution input of 1e38: its scale's reciprocal is subnormal, and multiplying by it
+    flushed every scaled entry to zero (a bound of 0 for a gradient of ~1e37)."""
+    inputs = keras.Input((4, 8))
+    conv = keras.layers.Conv1D(16, 2, name="conv", kernel_initializer="zeros")
+    h = keras.layers.GlobalAveragePooling1D()(conv(inputs))
+    # A small head keeps the record's gradient (~1e35) and so its clip factor within float32.
+    head = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(1e-3))
+    model = keras.Model(inputs, head(h))
+    assert dpcore.explain(model).paths()["conv"] == "ghost"
+    x = rng.normal(size=(3, 4, 8)).astype("float32")
+    x[0] = np.sign(x[0]) * 1e38
+    y = np.array([[1.0], [0.0], [1.0]], "float32")
+    moved = _check_record(model, x, y)
+    # The vectorized path clips it to C. On the fast path the filter gradient's flush error
+    # (2 T sqrt(D P) 2^-126 |a| ~ 113 here) exceeds C, so the record adds nothing.
+    assert moved["vectorized"] > 0.5 * C and moved["fast"] == 0.0, moved
 
 
 def test_conv_depthwise_route_extreme_record_is_clipped(rng, monkeypatch):
@@ -268,6 +346,37 @@ def test_ghost_bound_covers_exact_norm_in_float64(rng, graph):
     assert np.all(np.isfinite(bound))
     # Tight on the random (non-cancelling) rows.
     np.testing.assert_array_less(bound[[0, 2]], exact[[0, 2]] * (1 + 1e-3))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_ghost_bound_covers_products_that_flush_and_scales_near_float32_max(rng, graph):
+    """Operands whose scaled Gram products flush to zero (one position 2^64 times the others),
+    and operands near float32's maximum (whose scale's reciprocal, below 2^-126, used to flush
+    every scaled entry to zero): the bound still covers the float64 ground truth, eagerly and
+    with the Gram matrices compiled by XLA; ordinary rows stay tight."""
+    t, d, p = (16, 64, 64) if graph else (5, 16, 8)
+    a = rng.normal(size=(5, t, d))
+    g = rng.normal(size=(5, t, p))
+    a[0, 0] *= 2.0**64  # a's position 0 dominates its scale; it gets no gradient
+    g[0, 0] = 0.0
+    g[1, 0] *= 2.0**64  # the same for g
+    a[1, 0] = 0.0
+    a[2] = np.clip(a[2], -1.0, 1.0) * 3e38  # scale above 2^126
+    g[3, 1:] *= 2.0**-70  # g's other positions flush against position 0, which a has zero
+    a[3, 0] = 0.0
+    a32, g32 = a.astype("float32"), g.astype("float32")
+    exact = np.sum(
+        np.einsum("btd,btp->bdp", a32.astype(np.float64), g32.astype(np.float64)) ** 2, (1, 2)
+    )
+    assert np.all(np.isfinite(exact)) and np.all(exact > 0)
+    fn = tf.function(norms.ghost_sq_norm_bound) if graph else norms.ghost_sq_norm_bound
+    if graph:
+        specs = (tf.TensorSpec(a32.shape, tf.float32), tf.TensorSpec(g32.shape, tf.float32))
+        assert _xla_compiled(fn, *specs), "the Gram matrices are not compiled"
+    bound = fn(tf.constant(a32), tf.constant(g32)).numpy()
+    assert np.all(np.isfinite(bound))
+    assert np.all(bound >= exact), bound / exact
+    np.testing.assert_array_less(bound[[2, 4]], exact[[2, 4]] * (1 + 1e-3))
 
 
 def _adversarial_rows(rng, n):

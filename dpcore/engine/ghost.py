@@ -392,6 +392,17 @@ def fast_summary(
     sq_norms = tf.stack([tf.cast(vg.sq_norm, tf.float64) for vg in per_var], axis=1)
     units = unit_mask(mask, group)
     sq_norms = tf.where(units[:, None] > 0, sq_norms, tf.zeros_like(sq_norms))
+    sum_errors = None
+    if any(vg.sum_error is not None for vg in per_var):
+        zeros = tf.zeros_like(sq_norms[:, 0])
+        sum_errors = tf.stack(
+            [
+                zeros if vg.sum_error is None else tf.cast(vg.sum_error, tf.float64)
+                for vg in per_var
+            ],
+            axis=1,
+        )
+        sum_errors = tf.where(units[:, None] > 0, sum_errors, tf.zeros_like(sum_errors))
     row_mask = None
     if group > 1:
         row_mask = tf.cast(mask, tf.float32)
@@ -417,4 +428,5 @@ def fast_summary(
         input_gradients=input_gradients,
         paths=paths,
         row_mask=row_mask,
+        sum_errors=sum_errors,
     )

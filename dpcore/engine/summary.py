@@ -45,6 +45,11 @@ class GradientSummary:
         :func:`dpcore.engine.summarize`.
       row_mask: with privacy units of several rows, the ``[rows]`` mask of the rows that took part
         (``mask`` is then per unit); None when every row is its own unit.
+      sum_errors: ``[B, V]`` float64, or None for zeros: how far what example ``i`` adds through
+        ``weighted_sum`` for variable ``v`` with a weight ``w <= 1`` can be from ``w`` times a
+        gradient within ``sq_norms``, an absolute error that does not shrink with ``w`` (a
+        flushed ``w g`` inside a product, :func:`dpcore.norms.outer_sum_error`; ~1e-37 times the
+        activations). :func:`dpcore.aggregation.clip` subtracts it from ``C``.
 
     With ``group_size = K`` every "example" above is a unit of ``K`` rows: ``sq_norms`` is
     ``[U, V]``, ``per_example_loss`` and ``mask`` are ``[U]`` and ``weighted_sum`` takes ``[U, V]``.
@@ -60,6 +65,7 @@ class GradientSummary:
     paths: dict[str, str] = dataclasses.field(default_factory=dict)
     num_skipped: Any = None
     row_mask: Any = None
+    sum_errors: Any = None
 
 
 def to_units(t: tf.Tensor, group_size: int) -> tf.Tensor:
@@ -346,9 +352,13 @@ def drop_nonfinite(
     if input_gradients is not None:
         ok_rows = tf.repeat(ok, group_size) if group_size > 1 else ok
         input_gradients = tf.nest.map_structure(lambda t: _zero_rows(t, ok_rows), input_gradients)
+    sum_errors = summary.sum_errors
+    if sum_errors is not None:
+        sum_errors = tf.where(keep, sum_errors, tf.zeros_like(sum_errors))
     return dataclasses.replace(
         summary,
         sq_norms=tf.where(keep, sq, tf.zeros_like(sq)),
+        sum_errors=sum_errors,
         per_example_loss=tf.where(ok, loss, tf.zeros_like(loss)),
         mask=summary.mask * tf.cast(ok, summary.mask.dtype),
         weighted_sum=weighted_sum,

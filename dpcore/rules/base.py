@@ -82,12 +82,20 @@ class VariableGrad:
         materializes per-example gradients).
       weighted_sum: ``w [B] -> sum_i w_i * grad_i`` shaped like the variable.
       path: how the norm was computed (``"ghost"``, ``"materialized"``, ...).
+      sum_error: ``[B]`` float64, or None for zero: a bound of how far what example ``i`` adds
+        through ``weighted_sum`` can be from ``w_i`` times a gradient of norm ``sqrt(sq_norm)``,
+        for any ``0 <= w_i <= 1``, beyond that scaling. Needed where the sum multiplies ``w``
+        into a factor of a product (``A^T diag(w) G``): a flushed ``w g`` loses up to
+        ``2^-126 |a|`` whatever ``w`` is (:func:`dpcore.norms.outer_sum_error`). Clipping spends
+        it out of ``C``. A weighted sum of materialized per-example gradients (one product per
+        entry) has none.
     """
 
     variable: Any
     sq_norm: tf.Tensor
     weighted_sum: Callable[[tf.Tensor], tf.Tensor]
     path: str
+    sum_error: tf.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------ defaults

@@ -300,6 +300,7 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     path, _ = linear.choose_path(g.shape[1], window * cin_g, cout_g)
     kernel = layer.kernel
     per_example = None  # [B, *kernel.shape], or a list of [B, C_in, P] (one per offset)
+    sum_error = None  # the book-keeping product's flush error (ghost routes)
     if groups == 1 and path == "materialized":
         if cin_g >= _MIN_OFFSET_CHANNELS:
             if all(int(st) == 1 for st in layer.strides):
@@ -330,15 +331,17 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
         # same values, window times over), then bound the ghost identity on the scaled patches.
         raw = [tf.cast(u.capture["a"], tf.float32) for u in uses]
         scale = norms.row_scale(tf.concat([tf.reshape(r, [tf.shape(r)[0], -1]) for r in raw], 1))
-        inv = 1.0 / scale
+        # Divided, not multiplied by 1 / scale: that reciprocal flushes to zero above 2^126.
         a = tf.concat(
-            [_patches(layer, r * tf.reshape(inv, [-1] + [1] * (r.shape.rank - 1))) for r in raw],
+            [_patches(layer, r / tf.reshape(scale, [-1] + [1] * (r.shape.rank - 1))) for r in raw],
             axis=1,
         )
-        sq = norms.ghost_sq_norm_bound(a, g, contribution=True, a_scale=scale)
+        sq, sum_error = norms.ghost_sq_norm_bound(
+            a, g, contribution=True, a_scale=scale, with_sum_error=True
+        )
     elif groups == 1:
         a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
-        sq = linear.sq_norm(a, g, path)
+        sq, sum_error = linear.bounds(a, g, path)
     else:
         a = tf.concat([_patches(layer, u.capture["a"]) for u in uses], axis=1)
         b = tf.shape(a)[0]
@@ -349,9 +352,9 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             t = tf.shape(a5)[1]
             ag = tf.reshape(tf.transpose(a5, [0, 3, 1, 2, 4]), [b * groups, t, window * cin_g])
             gg = tf.reshape(tf.transpose(g4, [0, 2, 1, 3]), [b * groups, t, cout_g])
-            sq = tf.reduce_sum(
-                tf.reshape(norms.ghost_sq_norm_bound(ag, gg, contribution=True), [b, groups]), 1
-            )
+            sq, err = norms.ghost_sq_norm_bound(ag, gg, contribution=True, with_sum_error=True)
+            sq = tf.reduce_sum(tf.reshape(sq, [b, groups]), 1)
+            sum_error = tf.reduce_sum(tf.reshape(err, [b, groups]), 1)
         else:
             # [B, groups, window, C_in/g, C_out/g] -> the kernel's layout, filters group-major.
             m = linear.per_example_einsum("btkgc,btgo->bkcgo", a5, g4)
@@ -376,7 +379,11 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             total += tape.gradient(z, k, output_gradients=cot)
         return tf.cast(total, kernel.dtype)
 
-    out = [VariableGrad(variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path)]
+    out = [
+        VariableGrad(
+            variable=kernel, sq_norm=sq, weighted_sum=kernel_sum, path=path, sum_error=sum_error
+        )
+    ]
     if layer.use_bias:
         gb = tf.reduce_sum(g, axis=1)  # [B, C_out]
         out.append(from_per_example(layer.bias, gb, path="ghost"))

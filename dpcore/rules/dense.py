@@ -57,8 +57,10 @@ def _outer_grad(variable: Any, a: tf.Tensor, g: tf.Tensor) -> VariableGrad:
     def weighted_sum(w: tf.Tensor) -> tf.Tensor:
         return tf.cast(linear.weighted_outer(a, g, w), variable.dtype)
 
-    sq = linear.sq_norm(a, g, path)
-    return VariableGrad(variable=variable, sq_norm=sq, weighted_sum=weighted_sum, path=path)
+    sq, err = linear.bounds(a, g, path)
+    return VariableGrad(
+        variable=variable, sq_norm=sq, weighted_sum=weighted_sum, path=path, sum_error=err
+    )
 
 
 def _lora_scale(layer: Any) -> float:
@@ -319,8 +321,10 @@ def _einsum_kernel_grad(
             ],
             axis=1,
         )
-        sq = linear.sq_norm(a, gg, "ghost")
-        return VariableGrad(variable=variable, sq_norm=sq, weighted_sum=kernel_sum, path=path)
+        sq, err = linear.bounds(a, gg, "ghost")
+        return VariableGrad(
+            variable=variable, sq_norm=sq, weighted_sum=kernel_sum, path=path, sum_error=err
+        )
     # The clipped sum is formed from the materialized gradients themselves, so the certified norm
     # of what is stored bounds what each example contributes.
     eq = f"{x_spec},{out}->{b}{w_spec}"

@@ -82,13 +82,19 @@ def id_rows_grad(table: Any, ids: tf.Tensor, g: tf.Tensor) -> VariableGrad:
       Row ``i`` of the norms depends on example ``i`` only.
     """
     dim = int(table.shape[-1])
+    sum_error = None
     if ids.shape[1] == 1:
         sq = norms.sq_norm_bound(g[:, 0])
     else:
         # The same-id sums and the clipped sum's scatter add the same terms in different orders:
-        # each differs from the exact sums by at most gamma_T * sum_t ||g_t|| (dpcore.norms).
-        slack = 2.0 * norms.dot_gamma(norms.dim(ids, 1)) * norms.sum_of_norms(g)
-        sq = tf.square(tf.sqrt(same_id_sq_norm(ids, g)) + slack)
+        # each differs from the exact sums by at most gamma_T * sum_t ||g_t|| (dpcore.norms), and
+        # by 2^-126 per flushed term or sum: T sqrt(dim) 2^-126 each (one-hot rows: |a_t| = 1).
+        t = norms.dim(ids, 1)
+        norm_sum = norms.sum_of_norms(g)  # 0 only for an example whose g is all zeros
+        slack = 2.0 * norms.dot_gamma(t) * norm_sum
+        ones = tf.ones([tf.shape(ids)[0]], tf.float32)
+        sum_error = norms.outer_sum_error(t, 1, dim, ones, tf.cast(norm_sum > 0, tf.float32))
+        sq = tf.square(tf.sqrt(same_id_sq_norm(ids, g)) + slack + sum_error)
     vocab = int(table.shape[0])
 
     def weighted_sum(w: tf.Tensor) -> tf.Tensor:
@@ -98,7 +104,9 @@ def id_rows_grad(table: Any, ids: tf.Tensor, g: tf.Tensor) -> VariableGrad:
         )
         return tf.cast(total, table.dtype)
 
-    return VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")
+    return VariableGrad(
+        variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost", sum_error=sum_error
+    )
 
 
 def _plan(layer: Any, input_shapes: Sequence[Any]) -> tuple[str, str]:

@@ -119,8 +119,9 @@ def _outer(variable: Any, a: tf.Tensor, g: tf.Tensor) -> VariableGrad:
     def weighted_sum(w: tf.Tensor) -> tf.Tensor:
         return tf.cast(linear.weighted_outer(a, g, w), variable.dtype)
 
+    sq, err = linear.bounds(a, g, path)
     return VariableGrad(
-        variable=variable, sq_norm=linear.sq_norm(a, g, path), weighted_sum=weighted_sum, path=path
+        variable=variable, sq_norm=sq, weighted_sum=weighted_sum, path=path, sum_error=err
     )
 
 
@@ -197,12 +198,14 @@ def _tied_grad(
     # entries are 1, so the scale is max(1, max |dlogits|) and the lookup rows become r * onehot.
     m = norms.abs_max(dlogits, axis=[1, 2])  # no [B, P, vocab] copy of |dlogits|
     ma = tf.where(tf.math.is_nan(m), m, tf.maximum(m, 1.0))
-    r = 1.0 / ma  # [B]; the one-hot rows scaled: fl(1 * r) = r
-    r1 = r[:, None, None]
+    # Scaled by division (a reciprocal of a scale above 2^126 would flush to zero and take every
+    # scaled entry with it): the one-hot rows become 1 / ma, which may flush like any Gram entry.
+    r = 1.0 / ma  # [B]
+    ma1 = ma[:, None, None]
     same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32) * (r * r)[:, None, None]
     # Gathered first, then scaled: the same float32 values as gathering the scaled logits.
-    cross = tf.transpose(tf.gather(dlogits, ids, axis=2, batch_dims=1) * r1, [0, 2, 1]) * r1
-    logits_block = _scaled_gram(dlogits, r1)  # [B, P, P]
+    cross = tf.transpose(tf.gather(dlogits, ids, axis=2, batch_dims=1) / ma1, [0, 2, 1]) / ma1
+    logits_block = _scaled_gram(dlogits, ma1)  # [B, P, P]
     aa = tf.concat(
         [
             tf.concat([same, cross], 2),
@@ -215,6 +218,7 @@ def _tied_grad(
     sq = norms.gram_sq_norm_bound(
         aa, gg, d=vocab, p=dim, a_scale=ma, g_scale=sg, a_max=ma, g_max=mg, contribution=True
     )
+    err = norms.outer_sum_error(norms.dim(aa, 1), vocab, dim, ma, mg)
 
     def weighted_sum(w: tf.Tensor) -> tf.Tensor:
         w = tf.reshape(tf.cast(w, tf.float32), [-1, 1, 1])
@@ -226,7 +230,9 @@ def _tied_grad(
         )
         return tf.cast(looked_up + projected, table.dtype)
 
-    return VariableGrad(variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost")
+    return VariableGrad(
+        variable=table, sq_norm=sq, weighted_sum=weighted_sum, path="ghost", sum_error=err
+    )
 
 
 # Vocabulary columns per piece of the logit block's Gram matrix (see _scaled_gram). Each piece's
@@ -236,8 +242,8 @@ def _tied_grad(
 _GRAM_COLUMNS = 1024
 
 
-def _scaled_gram(x: tf.Tensor, r: tf.Tensor) -> tf.Tensor:
-    """``(x r)(x r)^T`` for ``x [B, P, V]`` and ``r [B, 1, 1]``, over ``V`` in pieces of
+def _scaled_gram(x: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+    """``(x / scale)(x / scale)^T`` for ``x [B, P, V]`` and ``scale [B, 1, 1]``, over ``V`` in pieces of
     ``_GRAM_COLUMNS`` columns, one after another: only one piece of the scaled operand exists at a
     time, never a second ``[B, P, V]`` tensor (at GPT-2's vocabulary, a copy the size of the
     logits, the step's largest tensors). The pieces' products are summed in float32, which is one
@@ -248,7 +254,7 @@ def _scaled_gram(x: tf.Tensor, r: tf.Tensor) -> tf.Tensor:
     for start in range(0, v, _GRAM_COLUMNS):
         after: list[tf.Tensor] = [] if total is None else [total]
         with tf.control_dependencies(after):  # the next piece is cut once the last one is used
-            piece = x[:, :, start : start + _GRAM_COLUMNS] * r
+            piece = x[:, :, start : start + _GRAM_COLUMNS] / scale
         product = norms.gram(piece)
         total = product if total is None else total + product
     return total

@@ -37,19 +37,37 @@ def choose_path(t: int | None, d: int, p: int) -> tuple[str, str]:
 def sq_norm(a: tf.Tensor, g: tf.Tensor, path: str) -> tf.Tensor:
     """Certified bound of ``||A_i^T G_i||_F^2`` for ``a [B, T, D]``, ``g [B, T, P]``: ``[B]``
     float64, never below the true value, and covering the rounding of the book-keeping product
-    that forms the clipped sum (see :mod:`dpcore.norms`).
+    that forms the clipped sum (see :mod:`dpcore.norms`). The first of :func:`bounds`.
 
     Privacy:
       Row ``i`` depends on example ``i`` only.
     """
+    return bounds(a, g, path)[0]
+
+
+def bounds(a: tf.Tensor, g: tf.Tensor, path: str) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(sq_norm, sum_error)`` for a variable whose clipped sum is the book-keeping product
+    ``A^T diag(w) G`` (:func:`weighted_outer`): the certified squared-norm bound of
+    :func:`sq_norm` and :func:`dpcore.norms.outer_sum_error`, the error of that product that does
+    not shrink with ``w`` (zero for one position, where a flushed term only shrinks an entry).
+
+    Privacy:
+      Row ``i`` of both depends on example ``i`` only.
+    """
     if a.shape[1] == 1:
-        return norms.outer_sq_norm_bound(a[:, 0], g[:, 0])
+        sq = norms.outer_sq_norm_bound(a[:, 0], g[:, 0])
+        return sq, tf.zeros_like(sq)
     if path == "ghost":
-        return norms.ghost_sq_norm_bound(a, g, contribution=True)
-    # The materialized product is not what the book-keeping sum multiplies: bound both.
+        return norms.ghost_sq_norm_bound(a, g, contribution=True, with_sum_error=True)
+    # The materialized product is not what the book-keeping sum multiplies: bound both. Each
+    # differs from the exact product by relative rounding (gamma_T of the triangle bound) and by
+    # flushed terms (at most the sum error, which the stored product also has, with w = 1).
+    a_max = norms.abs_max(tf.cast(a, tf.float32), axis=[1, 2])
+    g_max = norms.abs_max(tf.cast(g, tf.float32), axis=[1, 2])
+    err = norms.outer_sum_error(norms.dim(a, 1), a.shape[-1], g.shape[-1], a_max, g_max)
     mat = tf.sqrt(norms.sq_norm_bound(materialize(a, g), weighted_by_matmul=False))
     slack = 2.0 * norms.dot_gamma(norms.dim(a, 1)) * norms.triangle_bound(a, g)
-    return tf.square(mat + slack)
+    return tf.square(mat + slack + err), err
 
 
 @tf.function(jit_compile=True, autograph=False)
