@@ -42,7 +42,7 @@ from dpcore.rules.base import (
 # ------------------------------------------------------------------------------- shared pieces
 
 
-def _outer_grad(variable: Any, a: tf.Tensor, g: tf.Tensor) -> VariableGrad:
+def outer_grad(variable: Any, a: tf.Tensor, g: tf.Tensor) -> VariableGrad:
     """A ``[D, P]`` variable whose per-example gradient is ``A_i^T G_i`` (``a [B, T, D]``,
     ``g [B, T, P]``): ghost or materialized, whichever is cheaper.
 
@@ -109,10 +109,10 @@ def _dense_lora_grads(layer: Any, a: tf.Tensor, g: tf.Tensor) -> list[VariableGr
     out = []
     if lora_a.trainable:
         u = s * tf.einsum("btp,rp->btr", g32, tf.cast(lora_b, tf.float32))
-        out.append(_outer_grad(lora_a, a32, u))
+        out.append(outer_grad(lora_a, a32, u))
     if lora_b.trainable:
         h = s * tf.einsum("btd,dr->btr", a32, tf.cast(lora_a, tf.float32))
-        out.append(_outer_grad(lora_b, h, g32))
+        out.append(outer_grad(lora_b, h, g32))
     return out
 
 
@@ -125,7 +125,7 @@ def _dense_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     if layer.lora_enabled:
         out = _dense_lora_grads(layer, a, g)
     else:
-        out = [_outer_grad(layer.kernel, a, g)]
+        out = [outer_grad(layer.kernel, a, g)]
     if bias is not None:
         gb = tf.reduce_sum(tf.cast(g, tf.float32), axis=1)  # [B, P]
         out.append(from_per_example(bias, gb, path="ghost"))

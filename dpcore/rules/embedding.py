@@ -92,6 +92,7 @@ def id_rows_grad(table: Any, ids: tf.Tensor, g: tf.Tensor) -> VariableGrad:
         t = norms.dim(ids, 1)
         norm_sum = norms.sum_of_norms(g)  # 0 only for an example whose g is all zeros
         slack = 2.0 * norms.dot_gamma(t) * norm_sum
+        # a_t is one-hot (max 1, never subnormal); of g only whether it is all zeros matters.
         ones = tf.ones([tf.shape(ids)[0]], tf.float32)
         sum_error = norms.outer_sum_error(t, 1, dim, ones, tf.cast(norm_sum > 0, tf.float32))
         sq = tf.square(tf.sqrt(same_id_sq_norm(ids, g)) + slack + sum_error)

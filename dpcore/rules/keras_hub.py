@@ -49,7 +49,7 @@ from dpcore.engine import graph
 from dpcore.rules import linear
 from dpcore.rules.attention import MULTI_HEAD_ATTENTION
 from dpcore.rules.base import LayerRule, Use, VariableGrad, from_per_example, unsupported_variant
-from dpcore.rules.dense import DENSE, EINSUM_DENSE
+from dpcore.rules.dense import DENSE, EINSUM_DENSE, outer_grad
 from dpcore.rules.embedding import embedding_forward, id_rows_grad, id_uses
 from dpcore.rules.normalization import LAYER_NORMALIZATION
 
@@ -109,22 +109,6 @@ def _reversible_activate(layer: Any, z: Any) -> Any:
     return logits if cap is None else keras.ops.tanh(logits / cap) * cap
 
 
-def _outer(variable: Any, a: tf.Tensor, g: tf.Tensor) -> VariableGrad:
-    """A variable whose per-example gradient is ``A_i^T G_i`` (``a [B,T,D]``, ``g [B,T,P]``),
-    ghost or materialized by cost; the clipped sum is formed from ``a`` and ``g`` themselves."""
-    path, _ = linear.choose_path(a.shape[1], a.shape[-1], g.shape[-1])
-    if path == "materialized":
-        return from_per_example(variable, linear.materialize(a, g), path=path)
-
-    def weighted_sum(w: tf.Tensor) -> tf.Tensor:
-        return tf.cast(linear.weighted_outer(a, g, w), variable.dtype)
-
-    sq, err = linear.bounds(a, g, path)
-    return VariableGrad(
-        variable=variable, sq_norm=sq, weighted_sum=weighted_sum, path=path, sum_error=err
-    )
-
-
 def _reversible_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     dim = int(layer.output_dim)
     lookups = [u for u in uses if not u.capture["reverse"]]
@@ -143,12 +127,13 @@ def _reversible_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     if not layer.tie_weights:
         out = [] if ids is None else [id_rows_grad(table, ids, g)]
         if h is not None:
-            out.append(_outer(layer.reverse_embeddings, h, dlogits))  # [dim, vocab] = H^T dlogits
+            # [dim, vocab] = H^T dlogits
+            out.append(outer_grad(layer.reverse_embeddings, h, dlogits))
         return out
     if h is None:
         return [id_rows_grad(table, ids, g)]
     if ids is None:
-        return [_outer(table, dlogits, h)]  # [vocab, dim] = dlogits^T H
+        return [outer_grad(table, dlogits, h)]  # [vocab, dim] = dlogits^T H
     return [_tied_grad(table, ids, g, dlogits, h)]
 
 
@@ -694,7 +679,7 @@ def _head_grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
     out = [from_per_example(parts["bias"], tf.reduce_sum(g, axis=1), path="ghost")]
     if parts["kernel"] is not None:
         x = tf.concat([linear.as_sequence(tf.cast(u.capture["x"], tf.float32)) for u in uses], 1)
-        out.append(_outer(parts["kernel"], x, g))  # [dim, vocab] = X^T dlogits
+        out.append(outer_grad(parts["kernel"], x, g))  # [dim, vocab] = X^T dlogits
     return [vg for vg in out if vg.variable.trainable]
 
 
