@@ -55,6 +55,7 @@ _F32_TINY = 2.0**-126
 __all__ = [
     "F32_ROUNDOFF",
     "TF32_ROUNDOFF",
+    "UNSCALED_RANGE",
     "XLA_MIN_WORK",
     "abs_max",
     "compile_batched_product",
@@ -358,8 +359,9 @@ def ghost_sq_norm_bound(
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
     d, p = a.shape[-1], g.shape[-1]
-    # Per-example scale to magnitude ~1 (a float32 division per entry): nothing
-    # below overflows or flushes to zero. NaN rows stay NaN (reduce_max propagates NaN), infinite
+    # Per-example scale to magnitude ~1 (a float32 division per entry) where an example's largest
+    # magnitude is outside UNSCALED_RANGE: nothing below overflows, and what flushes to zero is
+    # bounded relative to the example. NaN rows stay NaN (reduce_max propagates NaN), infinite
     # rows become NaN after scaling.
     if a_scale is None:
         ap, sa, ma = scale_rows(a)
@@ -374,7 +376,9 @@ def ghost_sq_norm_bound(
     )
     if not with_sum_error:
         return sq
-    return sq, outer_sum_error(dim(a, 1), d, p, sa, mg)
+    # The largest magnitude of a (sa where a was divided by it; 1 for a NaN row, as before).
+    a_big = tf.where(tf.math.is_finite(ma), tf.maximum(ma, sa), sa)
+    return sq, outer_sum_error(dim(a, 1), d, p, a_big, mg)
 
 
 # Per-example multiply-adds from which a batched product is compiled by XLA inside a graph
@@ -418,17 +422,29 @@ def gram(x: tf.Tensor) -> tf.Tensor:
     return tf.matmul(x, x, transpose_b=True)
 
 
+# Examples whose largest magnitude lies in [2^-20, 2^40] (or is 0) are not rescaled: no float32
+# product or sum of their Gram matrices can overflow (d 2^80 < 2^127 for d < 2^47), and the
+# absolute flush term of each entry (3 d 2^-126) is at most 3 d 2^-86 times the example's squared
+# largest magnitude.
+UNSCALED_RANGE = (2.0**-20, 2.0**40)
+
+
 def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """``(g / s, s, m)`` for ``g [B, T, P]``: each example divided by its largest magnitude ``m``
-    (``s = m``, or 1 for an all-zero example; one float32 division per entry),
-    as :func:`gram_sq_norm_bound` expects its operands. NaN rows stay NaN, infinite rows become
-    NaN."""
+    """``(g / s, s, m)`` for ``g [B, T, P]``, as :func:`gram_sq_norm_bound` expects its operands:
+    ``m`` is each example's largest magnitude and ``s`` its divisor, ``m`` (one float32 division
+    per entry) where ``m`` is outside :data:`UNSCALED_RANGE`, else 1. NaN and infinite rows are
+    divided (NaN rows stay NaN, infinite rows become NaN). When no example needs a division, ``g``
+    is returned as it is: dividing by 1 is exact, so each example's operand (and its Gram matrix)
+    is the same whichever other examples share its batch."""
     g = tf.cast(g, tf.float32)
     m = abs_max(g, axis=[1, 2])
-    s = tf.where(m > 0, m, tf.ones_like(m))
+    low, high = UNSCALED_RANGE
+    as_is = ((m >= low) & (m <= high)) | tf.equal(m, 0.0)  # False for NaN
+    s = tf.where(as_is, tf.ones_like(m), m)
     # A division, not a product with 1 / s: that reciprocal is subnormal for s > 2^126 and flushes
     # to zero (every scaled entry with it).
-    return g / s[:, None, None], s, m
+    scaled = tf.cond(tf.reduce_all(as_is), lambda: g, lambda: g / s[:, None, None])
+    return scaled, s, m
 
 
 def gram_sq_norm_bound(
@@ -458,7 +474,8 @@ def gram_sq_norm_bound(
       gg: ``[B, T, T]`` Gram of the scaled output gradients ``G_i / g_scale_i`` (length ``p``).
       d: length of the input rows (static).
       p: length of the output-gradient rows (static).
-      a_scale: ``[B]`` float32 divisor of each example's inputs (largest magnitude, 1 for zero).
+      a_scale: ``[B]`` float32 divisor of each example's inputs (their largest magnitude, or 1
+        where they were left as they are: see :func:`scale_rows`).
       g_scale: ``[B]`` float32 divisor of its output gradients.
       a_max: ``[B]`` largest magnitude of the inputs (NaN or Inf for a non-finite example).
       g_max: ``[B]`` largest magnitude of the output gradients.
@@ -522,12 +539,20 @@ def gram_sq_norm_bound(
     root = tf.minimum(root * _sum64_inflation(4.0), root_e * (1.0 + 4.0 * F64_ROUNDOFF))
     # Rescaling (a division, or a reciprocal then a product) moves each scaled entry by <= 2u + u^2,
     # or by <= 2^-126 when it flushes to zero: |a_t - a'_t| <= 2^-126 sqrt(D) per position, against
-    # |g_t| <= sqrt(P), and the same for g; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2.
+    # |g_t| <= r sqrt(P), and the same for g; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2. Here r >= 1
+    # bounds the operands' entries: 1 for a divided operand, its largest magnitude for one left as
+    # it is (which moves nothing, but may face a divided one).
     flushed = 3.0 * (float(d) * float(p)) ** 0.5 + 4.0 * (float(d) ** 0.5 + float(p) ** 0.5 + 1.0)
-    lam = (4.0 * F32_ROUNDOFF + 7.0 * F32_ROUNDOFF**2) * root_e + tt * (flushed * _F32_TINY)
+    sa64, sg64 = tf.cast(sa, tf.float64), tf.cast(sg, tf.float64)
+    r = tf.maximum(
+        tf.maximum(tf.cast(ma, tf.float64) / sa64, tf.cast(mg, tf.float64) / sg64)
+        * (1.0 + 2.0**-50),
+        1.0,
+    )
+    lam = (4.0 * F32_ROUNDOFF + 7.0 * F32_ROUNDOFF**2) * root_e + tt * (flushed * _F32_TINY) * r
     if contribution:
         lam = lam + dot_gamma(tt) * root_e * (1.0 + 2.0 * F32_ROUNDOFF)
-    scale = tf.cast(sa, tf.float64) * tf.cast(sg, tf.float64)
+    scale = sa64 * sg64
     bound = (root + lam) * scale
     # A NaN anywhere in a row must surface (tf.minimum above could otherwise drop it).
     bad = tf.logical_not(

@@ -379,6 +379,45 @@ def test_ghost_bound_covers_products_that_flush_and_scales_near_float32_max(rng,
     np.testing.assert_array_less(bound[[2, 4]], exact[[2, 4]] * (1 + 1e-3))
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_ghost_bound_of_an_example_does_not_depend_on_the_other_examples(rng, graph):
+    """Examples whose largest magnitude is in ``norms.UNSCALED_RANGE`` (or zero) are not divided
+    by it; a batch holding any other example divides that one, by a pass the kept examples do not
+    see. A kept example's bound is bitwise the same whether its batch needs that pass or not (the
+    batch's shape fixed, as dpcore's padded batches are), and under XLA also alone; kept
+    examples' bounds cover the float64 ground truth and are tight."""
+    t, d, p = (16, 64, 64) if graph else (5, 16, 8)
+    low, high = norms.UNSCALED_RANGE
+    kept_magnitudes = [1.0, low, high / 8, 0.0]
+    others = [low / 4, high * 4, 1e30, 1e-30]  # each needs the division
+    a = rng.normal(size=(8, t, d))
+    a /= np.abs(a).max(axis=(1, 2), keepdims=True)  # largest magnitude exactly 1 ...
+    a *= np.array(kept_magnitudes + others)[:, None, None]  # ... then the example's
+    g = rng.normal(size=(8, t, p))
+    a32, g32 = a.astype("float32"), g.astype("float32")
+    fn = norms.ghost_sq_norm_bound
+    if graph:
+        fn = tf.function(
+            fn, input_signature=[tf.TensorSpec([None, t, d]), tf.TensorSpec([None, t, p])]
+        )
+
+    def bounds(rows):
+        return fn(tf.constant(a32[rows]), tf.constant(g32[rows])).numpy()
+
+    mixed = bounds(list(range(8)))  # needs the division
+    kept_only = bounds([0, 1, 2, 3, 0, 1, 2, 3])  # the same shape, no division
+    np.testing.assert_array_equal(kept_only[:4], mixed[:4])
+    if graph:  # XLA's batched product rounds a row alike whatever the batch size
+        for i in range(8):
+            np.testing.assert_array_equal(bounds([i]), mixed[i : i + 1])
+    exact = np.sum(
+        np.einsum("btd,btp->bdp", a32.astype(np.float64), g32.astype(np.float64)) ** 2, (1, 2)
+    )
+    assert np.all(mixed >= exact)
+    assert mixed[3] < 1e-60  # zero inputs: only the absolute flush terms
+    np.testing.assert_array_less(mixed[[0, 1, 2]], exact[[0, 1, 2]] * (1 + 1e-3))
+
+
 def _adversarial_rows(rng, n):
     """Rows of length ``n`` whose sums of squares float32 (or float64) gets wrong in every way."""
     rows = rng.normal(size=(10, n))
