@@ -18,9 +18,15 @@ sum, C = 1):
    materialized), Conv1D (ghost, strided), Conv2D (materialized, strided; and groups > 1 on the
    ghost path, fast method only: TensorFlow cannot vectorize a grouped convolution's filter
    gradient on CPU), Embedding (repeated ids), LayerNormalization, GroupNormalization,
-   MultiHeadAttention (projections materialized); for the per-layer fallback (a custom layer with
-   its own weight in a Functional model) and the whole-model fallback (a subclassed
-   ``keras.Model``); per-group clipping (a list of bounds with ``variable_groups``). Through ``dp_train_step`` with ``DPOptimizer(accumulation_steps=2)``
+   MultiHeadAttention (projections materialized), RMSNormalization,
+   LayerNormalization(rms_scaling), a LoRA Dense (ghost), KerasHub's TransformerEncoder and tied
+   ReversibleEmbedding; for the per-layer fallback (a custom layer with its own weight in a
+   Functional model) and the whole-model fallback (a subclassed ``keras.Model``); per-group
+   clipping (a list of bounds with ``variable_groups``). Privacy units of two rows
+   (``group_size=2``, ``nonfinite="skip"``) on every case but the grouped convolution: the crafted
+   record's unit (its other row benign, its negation, its copy with the label negated, or a second
+   crafted record) moves the clipped sum by at most ``C (1 + TOLERANCE)``, no other unit is
+   skipped because of it, and a skipped unit adds exactly nothing. Through ``dp_train_step`` with ``DPOptimizer(accumulation_steps=2)``
    (SGD, lr 1, σ = 0, expected batch size 1, so the applied update is minus the clipped sum of
    the logical step): removing the record from either micro-batch moves the update by at most
    ``C (1 + TOLERANCE)``. The same on two replicas of a ``MirroredStrategy`` (2 logical CPUs,
@@ -33,8 +39,11 @@ sum, C = 1):
    float64 gradient of the same model by more than a tenth of NORM_TOLERANCE, i.e. where float32
    does not determine the gradient to that precision (a forward pass that cancels); the engine's
    own float32 gradient of such a row is another rounding, and property 1 covers what it adds.
-   Inputs whose float32 loss or reference gradient is not finite are outside the claim (the
-   library refuses them on purpose) and are rejected; instead, with ``nonfinite="skip"`` a batch
+   Keras' own gradient of the row inside the batch must agree with float64 too (a batched float32
+   forward pass can round a row differently from the row alone). Inputs whose float32 loss or
+   reference gradient is not finite, or whose gradient norm is within 2^8 of float32's maximum,
+   are outside the claim (the library refuses them on purpose) and are rejected; a refusal of the
+   engine is accepted only when Keras' own backward pass of the same batch is not finite; instead, with ``nonfinite="skip"`` a batch
    holding such a record (labels or inputs that overflow the loss) has a finite clipped sum, the
    record is masked out, and its contribution is exactly zero.
 3. Noise. The noise on the sum has std ``σ C`` (a noise-only step with lr 1 moves the weights by
@@ -604,6 +613,84 @@ def test_grouped_conv_clips_every_record(rec):
 @given(rec=records())
 def test_fallbacks_clip_every_record(name, rec):
     check_sensitivity_and_norms(case(name), rec)
+
+
+UNIT_ROWS = 2  # privacy units of two rows: B units, the crafted record and a partner in one
+PARTNERS = ("benign", "negate", "copy", "crafted")
+
+
+@st.composite
+def unit_records(draw: Any) -> dict[str, Any]:
+    """A crafted record at any of the ``B * UNIT_ROWS`` rows, and what its unit's other row is:
+    benign, its negation (same label: the unit's gradients cancel), its copy with the label
+    negated, or a second crafted record of another magnitude."""
+    rec = draw(records())
+    rec["index"] = draw(st.integers(0, B * UNIT_ROWS - 1))
+    rec["partner"] = draw(st.sampled_from(PARTNERS))
+    rec["partner_exp"] = draw(st.sampled_from(EXPONENTS))
+    return rec
+
+
+def _units_clipped_sum(c: Case, method: str, x, y, mask):
+    key = f"units/{method}"
+    if key not in c.fns:
+        if ExecutionOptions is None:
+            pytest.skip("privacy units need ExecutionOptions(group_size=...)")
+        options = ExecutionOptions(method=method, nonfinite="skip", group_size=UNIT_ROWS)
+        model = c.model
+
+        @tf.function
+        def run(x, y, mask):
+            c.traces[key] = c.traces.get(key, 0) + 1
+            s = dpcore.summarize(model, MSE, x, y, mask=mask, options=options)
+            return list(aggregation.clip(s, l2_norm_clip=C).grads), s.mask
+
+        c.fns[key] = run
+    grads, kept = c.fns[key](tf.constant(x), tf.constant(y), tf.constant(mask, tf.float32))
+    return [g.numpy().astype(np.float64) for g in grads], kept.numpy()
+
+
+def check_units(c: Case, rec: dict[str, Any]) -> None:
+    rows = B * UNIT_ROWS
+    x, y = crafted_batch(c.feature_shape, rec, vocab=c.vocab, b=rows)
+    i = rec["index"]
+    j = i + 1 if i % UNIT_ROWS == 0 else i - 1  # the other row of its unit
+    if rec["partner"] == "negate" and c.vocab is None:
+        x[j], y[j] = -x[i], y[i]
+    elif rec["partner"] == "copy":
+        x[j], y[j] = x[i], -y[i]
+    elif rec["partner"] == "crafted":
+        other = dict(rec, seed=rec["seed"] + 1, index=j, exp=rec["partner_exp"])
+        x2, y2 = crafted_batch(c.feature_shape, other, vocab=c.vocab, b=rows)
+        x[j], y[j] = x2[j], y2[j]
+    unit = i // UNIT_ROWS
+    full = np.ones(rows, "float32")
+    less = full.copy()
+    less[unit * UNIT_ROWS : (unit + 1) * UNIT_ROWS] = 0.0
+    for method in c.methods:
+        with_unit, kept = _units_clipped_sum(c, method, x, y, full)
+        without, _ = _units_clipped_sum(c, method, x, y, less)
+        # The benign units are kept whatever the crafted one holds (skipping is per unit).
+        assert np.delete(kept, unit).tolist() == [1.0] * (B - 1), (method, kept)
+        moved = float(np.linalg.norm(_flat(with_unit) - _flat(without)))
+        assert np.isfinite(moved), (method, moved)
+        assert moved <= C * (1 + TOLERANCE), (method, rec, moved)
+        if not kept[unit]:
+            assert moved == 0.0, (method, moved)  # a skipped unit adds exactly nothing
+        assert c.traces[f"units/{method}"] == 1, c.traces
+
+
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+@pytest.mark.filterwarnings("ignore:dpcore. model 'subclassed' takes the vectorized path")
+@pytest.mark.parametrize("name", [n for n in ZOO if n != "conv2d_groups"])
+@_settings(max_examples=12)
+@given(rec=unit_records())
+def test_units_of_crafted_rows_contribute_at_most_c(name, rec):
+    """Privacy units of two rows (``group_size=2``), with ``nonfinite="skip"``: removing the unit
+    that holds a crafted record (and a benign, cancelling, copied or second crafted row) moves the
+    clipped sum by at most C, the other units are never skipped because of it, and a skipped
+    unit adds exactly nothing."""
+    check_units(case(name), rec)
 
 
 GROUP_BOUNDS = [0.5, 2.0]
