@@ -594,7 +594,7 @@ def test_a_gradient_that_overflows_only_within_the_batch_is_refused_or_skipped()
         less, _, _ = clipped_sum(c, method, x, y, less_mask, nonfinite="skip")
         assert kept.tolist() == [0.0, 1.0, 1.0, 1.0], method
         assert np.all(np.isfinite(_flat(full))), method
-        np.testing.assert_allclose(_flat(full), _flat(less), rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(_flat(full), _flat(less))  # the skipped record adds nothing
         assert np.all(np.isfinite(sq[1:])), method
 
 
