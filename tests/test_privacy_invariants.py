@@ -26,10 +26,10 @@ sum, C = 1):
    (``group_size=2``, ``nonfinite="skip"``) on every case but the grouped convolution: the crafted
    record's unit (its other row benign, its negation, its copy with the label negated, or a second
    crafted record) moves the clipped sum by at most ``C (1 + TOLERANCE)``, no other unit is
-   skipped because of it, and a skipped unit adds exactly nothing. Through ``dp_train_step`` with ``DPOptimizer(accumulation_steps=2)``
-   (SGD, lr 1, σ = 0, expected batch size 1, so the applied update is minus the clipped sum of
-   the logical step): removing the record from either micro-batch moves the update by at most
-   ``C (1 + TOLERANCE)``. The same on two replicas of a ``MirroredStrategy`` (2 logical CPUs,
+   skipped because of it, and a skipped unit adds exactly nothing. Through ``dp_train_step``
+   with ``DPOptimizer(accumulation_steps=2)`` (SGD, lr 1, σ = 0, expected batch size 1, so the
+   applied update is minus the clipped sum of the logical step): removing the record from either
+   micro-batch moves the update by at most ``C (1 + TOLERANCE)``. The same on two replicas of a ``MirroredStrategy`` (2 logical CPUs,
    in a subprocess because logical devices must be set before TensorFlow starts).
 2. Certified norms. Every norm that decides a clip factor (``GradientSummary.sq_norms`` summed
    per example) is at least the exact per-example gradient norm
@@ -43,9 +43,10 @@ sum, C = 1):
    forward pass can round a row differently from the row alone). Inputs whose float32 loss or
    reference gradient is not finite, or whose gradient norm is within 2^8 of float32's maximum,
    are outside the claim (the library refuses them on purpose) and are rejected; a refusal of the
-   engine is accepted only when Keras' own backward pass of the same batch is not finite; instead, with ``nonfinite="skip"`` a batch
-   holding such a record (labels or inputs that overflow the loss) has a finite clipped sum, the
-   record is masked out, and its contribution is exactly zero.
+   engine is accepted only when Keras' own backward pass of the same batch is not finite;
+   instead, with ``nonfinite="skip"`` a batch holding such a record (labels or inputs that
+   overflow the loss) has a finite clipped sum, the record is masked out, and its contribution is
+   exactly zero.
 3. Noise. The noise on the sum has std ``σ C`` (a noise-only step with lr 1 moves the weights by
    ``σ C / expected_batch_size`` in std), is drawn once per logical step (with
    ``accumulation_steps=3`` the first two micro-steps change nothing and the third applies exactly
@@ -409,25 +410,29 @@ def _build(name: str, check_paths: bool = True) -> Any:
     return model
 
 
-def _summarize(model, x, y, mask, *, method: str, nonfinite: str):
+def _summarize(model, x, y, mask, *, method: str, nonfinite: str, group_size: int = 1):
     if ExecutionOptions is None:  # releases before ExecutionOptions (the suite runs on them too)
+        if group_size != 1:
+            pytest.skip("this release has no privacy units (ExecutionOptions(group_size=...))")
         return dpcore.summarize(model, MSE, x, y, mask=mask, method=method, nonfinite=nonfinite)
-    options = ExecutionOptions(method=method, nonfinite=nonfinite)
+    options = ExecutionOptions(method=method, nonfinite=nonfinite, group_size=group_size)
     return dpcore.summarize(model, MSE, x, y, mask=mask, options=options)
 
 
-def _key(method: str, nonfinite: str = "raise", bounds=None) -> str:
-    return f"{method}/{nonfinite}/{bounds}"
+def _key(method: str, nonfinite: str = "raise", bounds=None, group_size: int = 1) -> str:
+    return f"{method}/{nonfinite}/{bounds}/{group_size}"
 
 
-def _compile(case: Case, method: str, nonfinite: str = "raise", bounds=None, groups=None):
+def _compile(
+    case: Case, method: str, nonfinite: str = "raise", bounds=None, groups=None, group_size=1
+):
     model = case.model
-    key = _key(method, nonfinite, bounds)
+    key = _key(method, nonfinite, bounds, group_size)
 
     @tf.function
     def run(x, y, mask):
         case.traces[key] = case.traces.get(key, 0) + 1
-        s = _summarize(model, x, y, mask, method=method, nonfinite=nonfinite)
+        s = _summarize(model, x, y, mask, method=method, nonfinite=nonfinite, group_size=group_size)
         clipped = aggregation.clip(
             s, l2_norm_clip=C if bounds is None else bounds, variable_groups=groups
         )
@@ -444,8 +449,8 @@ def case(name: str) -> Case:
 
 
 def clipped_sum(c: Case, method: str, x, y, mask, **kw):
-    """(list of per-variable sums as float64 arrays, sq_norms [B, V], kept mask)."""
-    key = _key(method, kw.get("nonfinite", "raise"), kw.get("bounds"))
+    """(list of per-variable sums as float64 arrays, sq_norms [units, V], kept mask [units])."""
+    key = _key(method, kw.get("nonfinite", "raise"), kw.get("bounds"), kw.get("group_size", 1))
     if key not in c.fns:
         c.fns[key] = _compile(c, method, **kw)
     grads, sq, kept = c.fns[key](tf.constant(x), tf.constant(y), tf.constant(mask, tf.float32))
@@ -631,25 +636,6 @@ def unit_records(draw: Any) -> dict[str, Any]:
     return rec
 
 
-def _units_clipped_sum(c: Case, method: str, x, y, mask):
-    key = f"units/{method}"
-    if key not in c.fns:
-        if ExecutionOptions is None:
-            pytest.skip("privacy units need ExecutionOptions(group_size=...)")
-        options = ExecutionOptions(method=method, nonfinite="skip", group_size=UNIT_ROWS)
-        model = c.model
-
-        @tf.function
-        def run(x, y, mask):
-            c.traces[key] = c.traces.get(key, 0) + 1
-            s = dpcore.summarize(model, MSE, x, y, mask=mask, options=options)
-            return list(aggregation.clip(s, l2_norm_clip=C).grads), s.mask
-
-        c.fns[key] = run
-    grads, kept = c.fns[key](tf.constant(x), tf.constant(y), tf.constant(mask, tf.float32))
-    return [g.numpy().astype(np.float64) for g in grads], kept.numpy()
-
-
 def check_units(c: Case, rec: dict[str, Any]) -> None:
     rows = B * UNIT_ROWS
     x, y = crafted_batch(c.feature_shape, rec, vocab=c.vocab, b=rows)
@@ -668,8 +654,9 @@ def check_units(c: Case, rec: dict[str, Any]) -> None:
     less = full.copy()
     less[unit * UNIT_ROWS : (unit + 1) * UNIT_ROWS] = 0.0
     for method in c.methods:
-        with_unit, kept = _units_clipped_sum(c, method, x, y, full)
-        without, _ = _units_clipped_sum(c, method, x, y, less)
+        kw = {"nonfinite": "skip", "group_size": UNIT_ROWS}
+        with_unit, _, kept = clipped_sum(c, method, x, y, full, **kw)
+        without, _, _ = clipped_sum(c, method, x, y, less, **kw)
         # The benign units are kept whatever the crafted one holds (skipping is per unit).
         assert np.delete(kept, unit).tolist() == [1.0] * (B - 1), (method, kept)
         moved = float(np.linalg.norm(_flat(with_unit) - _flat(without)))
@@ -677,7 +664,7 @@ def check_units(c: Case, rec: dict[str, Any]) -> None:
         assert moved <= C * (1 + TOLERANCE), (method, rec, moved)
         if not kept[unit]:
             assert moved == 0.0, (method, moved)  # a skipped unit adds exactly nothing
-        assert c.traces[f"units/{method}"] == 1, c.traces
+        assert c.traces[_key(method, "skip", None, UNIT_ROWS)] == 1, c.traces
 
 
 @pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
