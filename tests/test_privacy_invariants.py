@@ -29,8 +29,9 @@ sum, C = 1):
    skipped because of it, and a skipped unit adds exactly nothing. Through ``dp_train_step``
    with ``DPOptimizer(accumulation_steps=2)`` (SGD, lr 1, σ = 0, expected batch size 1, so the
    applied update is minus the clipped sum of the logical step): removing the record from either
-   micro-batch moves the update by at most ``C (1 + TOLERANCE)``. The same on two replicas of a ``MirroredStrategy`` (2 logical CPUs,
-   in a subprocess because logical devices must be set before TensorFlow starts).
+   micro-batch moves the update by at most ``C (1 + TOLERANCE)``. The same on two replicas of a
+   ``MirroredStrategy`` (2 logical CPUs, in a subprocess because logical devices must be set
+   before TensorFlow starts).
 2. Certified norms. Every norm that decides a clip factor (``GradientSummary.sq_norms`` summed
    per example) is at least the exact per-example gradient norm
    (``dpcore.testing.reference_per_example_gradients``, one example at a time) times
