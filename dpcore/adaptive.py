@@ -36,8 +36,9 @@ __all__ = [
     "updated_clip",
 ]
 
-# The count noise is drawn from fold_in(step seed, _COUNT_STREAM); the gradient noise of variable j
-# uses fold_in(step seed, j) (dpcore.aggregation.standard_normal), j < the number of variables.
+# The count noise is drawn from fold_in(step seed, _COUNT_STREAM); the gradient noise of variable
+# group g uses fold_in(step seed, g) (dpcore.aggregation.standard_normal), g < the number of
+# variables.
 _COUNT_STREAM = 2**31 - 1
 # C stays a positive normal float32 so that the noise std σ_Δ C is finite and non-zero.
 _MIN_CLIP = 2.0**-126

@@ -230,41 +230,83 @@ def clip(
     )
 
 
+# Tensors are drawn in groups of consecutive tensors of at most this many elements together (a
+# larger tensor forms a group alone): one draw per group instead of one per tensor keeps the
+# traced step small (a transformer has dozens of small variables). The cap keeps each group's
+# split into its tensors (a copy) small beside the draw, and its temporaries no larger than the
+# largest variable's: on CPU, the MLP's 401,408-weight kernel drawn together with the other five
+# variables took 3.3 ms against 2.8 ms drawn alone.
+NOISE_GROUP_ELEMENTS = 2**18
+
+
+def noise_groups(sizes: Sequence[int]) -> list[list[int]]:
+    """Indices of ``sizes`` (element counts, in order) grouped for :func:`standard_normal`.
+
+    Consecutive tensors share a group while their total stays at most :data:`NOISE_GROUP_ELEMENTS`;
+    a tensor that would take a non-empty group past it starts the next group. Depends on the sizes
+    only.
+    """
+    groups: list[list[int]] = []
+    total = 0
+    for j, n in enumerate(sizes):
+        if not groups or (groups[-1] and total + n > NOISE_GROUP_ELEMENTS):
+            groups.append([])
+            total = 0
+        groups[-1].append(j)
+        total += n
+    return groups
+
+
 def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
     """Independent float32 ``N(0, 1)`` draws shaped like each of ``like`` (tensors or variables).
 
+    The stream: the tensors are grouped by :func:`noise_groups` (from their static sizes); group
+    ``g`` draws the Box-Muller transform (:func:`_box_muller`) of as many values as its tensors
+    have elements with seed ``fold_in(seed, g)``, and its tensors take consecutive slices of it in
+    order, each reshaped to its shape.
+
     Args:
       like: tensors (or variables) giving the shapes.
-      seed: an int32/int64 tensor of shape ``[2]``; tensor ``j`` uses ``fold_in(seed, j)``.
+      seed: an int32/int64 tensor of shape ``[2]``.
 
     Returns:
       One float32 tensor per input. The draw depends on ``seed`` and the shapes only, never on
       data, so a step may make it before its forward pass.
     """
     seed = tf.cast(seed, tf.int64)
-    # fold_in(seed, j) is [r, j] with r one draw from seed, the same for every j: drawn once here
-    # (the same values as calling fold_in per tensor, with a few operations fewer per tensor).
+    shapes = [tf.TensorShape(t.shape) for t in like]
+    sizes = [s.num_elements() for s in shapes]
+    # fold_in(seed, g) is [r, g] with r one draw from seed, the same for every g: drawn once here
+    # (the same values as calling fold_in per group, with a few operations fewer per group).
     r = tf.random.stateless_uniform([], seed=seed, dtype=tf.int32, minval=None, maxval=None)
-    return [_box_muller(t.shape, seed=tf.stack([r, j])) for j, t in enumerate(like)]
+    out: list[tf.Tensor] = []
+    for g, members in enumerate(noise_groups(sizes)):
+        z = _box_muller(sum(sizes[j] for j in members), seed=tf.stack([r, g]))
+        if len(members) == 1:
+            out.append(tf.reshape(z, shapes[members[0]]))
+            continue
+        parts = tf.split(z, [sizes[j] for j in members])
+        out.extend(tf.reshape(part, shapes[j]) for part, j in zip(parts, members))
+    return out
 
 
-def _box_muller(shape: Any, *, seed: tf.Tensor) -> tf.Tensor:
-    """float32 ``N(0, 1)`` of a static ``shape`` by the Box-Muller transform of Philox uniforms.
+def _box_muller(n: int, *, seed: tf.Tensor) -> tf.Tensor:
+    """``n`` float32 ``N(0, 1)`` values (``[n]``) by the Box-Muller transform of Philox uniforms.
 
     The method of ``tf.random.stateless_normal`` (Box-Muller on 23-bit float32 uniforms), written
     with whole-tensor ops: TensorFlow's op evaluates the logarithm, root and sine/cosine one scalar
     at a time, these ops vectorize them, and the draw takes about 0.6 times as long on CPU. With
     ``u`` uniform on the float32 grid of ``[0, 1)``, ``1 - u`` is in ``(0, 1]`` (exactly), so the
     radius ``sqrt(-2 log(1 - u))`` is finite (at most 5.65, where TensorFlow's op stops at 5.68).
+    The uniforms are ``stateless_uniform([2, ceil(n / 2)], seed)``; the values are the cosine
+    half, then the sine half, cut to ``n``.
     """
-    shape = tf.TensorShape(shape)
-    n = shape.num_elements()
     half = (n + 1) // 2
     u0, u1 = tf.unstack(tf.random.stateless_uniform([2, half], seed=seed, dtype=tf.float32))
     radius = tf.sqrt(-2.0 * tf.math.log1p(-u0))
     angle = (2.0 * math.pi) * u1
     z = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
-    return tf.reshape(z[:n] if 2 * half != n else z, shape)
+    return z[:n] if 2 * half != n else z
 
 
 def gaussian_noise(
@@ -279,7 +321,7 @@ def gaussian_noise(
     Args:
       like: tensors giving shapes and dtypes.
       stddev: the standard deviation.
-      seed: an int32/int64 tensor of shape ``[2]``; tensor ``j`` uses ``fold_in(seed, j)``.
+      seed: an int32/int64 tensor of shape ``[2]`` (the stream of :func:`standard_normal`).
       unit: the :func:`standard_normal` draw for ``seed``, if already made.
 
     Returns:

@@ -132,30 +132,59 @@ def test_zero_noise_is_the_clipped_mean():
     np.testing.assert_allclose(out[0], [1.0, 2.0])
 
 
+def _documented_draw(seed, n, g):
+    """``n`` values of group ``g``'s stream as the docstring states it, written out again."""
+    half = (n + 1) // 2
+    s = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), g)
+    u = tf.random.stateless_uniform([2, half], seed=s, dtype=tf.float32)
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
+    angle = (2.0 * math.pi) * u[1]
+    return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0).numpy()[:n]
+
+
 @pytest.mark.parametrize("seed", [[5, 6], [-3, 2**40]], ids=["int32", "int64"])
-def test_standard_normal_follows_the_documented_seeding(seed):
-    """Tensor ``j`` of a step's draw is, bit for bit, Box-Muller (cosine half, then sine half) of
-    the Philox uniforms ``stateless_uniform([2, ceil(n / 2)], seed=fold_in(seed, j))``, eagerly
-    and in a graph: a stated stream that other code (and users reproducing a run) can rely on."""
+@pytest.mark.parametrize("cap", [None, 16], ids=["one_group", "cap16"])
+def test_standard_normal_follows_the_documented_seeding(seed, cap, monkeypatch):
+    """A step's draw is, bit for bit, the documented stream, eagerly and in a graph: tensors in
+    groups of consecutive tensors of at most ``NOISE_GROUP_ELEMENTS`` elements (a larger one
+    alone); group ``g`` is Box-Muller (cosine half, then sine half) of the Philox uniforms
+    ``stateless_uniform([2, ceil(n / 2)], seed=fold_in(seed, g))``, cut into its tensors in
+    order. A stated stream that other code (and users reproducing a run) can rely on."""
+    if cap is not None:
+        monkeypatch.setattr(aggregation, "NOISE_GROUP_ELEMENTS", cap)
     seed = tf.constant(seed, tf.int64 if max(map(abs, seed)) >= 2**31 else tf.int32)
-    like = [tf.zeros([3, 5]), tf.zeros([4]), tf.zeros([]), tf.zeros([2, 0])]
-
-    def reference(j, shape):
-        n = int(np.prod(shape))
-        half = (n + 1) // 2
-        s = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), j)
-        u = tf.random.stateless_uniform([2, half], seed=s, dtype=tf.float32)
-        radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
-        angle = (2.0 * math.pi) * u[1]
-        z = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
-        return tf.reshape(z[:n], shape).numpy()
-
+    like = [tf.zeros([3, 5]), tf.zeros([4]), tf.zeros([]), tf.zeros([2, 0]), tf.zeros([5, 5])]
+    # Sizes 15, 4, 1, 0, 25: one group without a cap; with 16: {15}, {4, 1, 0}, {25}.
+    groups = [[0, 1, 2, 3, 4]] if cap is None else [[0], [1, 2, 3], [4]]
+    assert aggregation.noise_groups([15, 4, 1, 0, 25]) == groups
+    want = {}
+    for g, members in enumerate(groups):
+        sizes = [int(np.prod(like[j].shape)) for j in members]
+        z = _documented_draw(seed, sum(sizes), g)
+        for j, piece in zip(members, np.split(z, np.cumsum(sizes)[:-1])):
+            want[j] = piece.reshape(like[j].shape)
     eager = aggregation.standard_normal(like, seed=seed)
     graph = tf.function(lambda s: aggregation.standard_normal(like, seed=s))(seed)
-    for j, t in enumerate(like):
-        want = reference(j, t.shape)
-        np.testing.assert_array_equal(eager[j].numpy(), want)
-        np.testing.assert_array_equal(graph[j].numpy(), want)
+    for j in range(len(like)):
+        np.testing.assert_array_equal(eager[j].numpy(), want[j])
+        np.testing.assert_array_equal(graph[j].numpy(), want[j])
+
+
+def test_noise_groups_are_consecutive_and_capped():
+    """Every tensor is in exactly one group, in order; a group exceeds the cap only when it is a
+    single tensor; a tensor starts a new group only when the current one could not take it."""
+    cap = aggregation.NOISE_GROUP_ELEMENTS
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = [int(v) for v in rng.choice([0, 1, 7, cap // 3, cap // 2, cap, 2 * cap], 12)]
+        groups = aggregation.noise_groups(sizes)
+        assert [j for members in groups for j in members] == list(range(len(sizes)))
+        totals = [sum(sizes[j] for j in members) for members in groups]
+        for members, total in zip(groups, totals):
+            assert total <= cap or len(members) == 1
+        for k in range(1, len(groups)):
+            assert totals[k - 1] + sizes[groups[k][0]] > cap
+    assert aggregation.noise_groups([]) == []
 
 
 def test_standard_normal_is_standard_normal():
@@ -164,7 +193,11 @@ def test_standard_normal_is_standard_normal():
     variables of one step or between steps. Every threshold is a 5-sigma (or smaller) band."""
     from scipy import stats
 
-    like = [tf.zeros([1000, 1001]), tf.zeros([7]), tf.zeros([]), tf.zeros([0, 3])]
+    # 1,101,100 values: more than NOISE_GROUP_ELEMENTS, so the first tensor is a group alone and
+    # its values are one whole Box-Muller draw (cosine half, then sine half).
+    big = [1100, 1001]
+    assert big[0] * big[1] > aggregation.NOISE_GROUP_ELEMENTS
+    like = [tf.zeros(big), tf.zeros([7]), tf.zeros([]), tf.zeros([0, 3])]
     draws = aggregation.standard_normal(like, seed=tf.constant([5, 6]))
     assert [d.shape for d in draws] == [t.shape for t in like]
     assert all(d.dtype == tf.float32 for d in draws)
@@ -182,7 +215,7 @@ def test_standard_normal_is_standard_normal():
     half = n // 2  # the cosine and sine halves of each Box-Muller pair
     assert abs(np.corrcoef(z[:half], z[half : 2 * half])[0, 1]) < 5 / math.sqrt(half)
     assert abs(np.corrcoef(z[:half] ** 2, z[half : 2 * half] ** 2)[0, 1]) < 5 / math.sqrt(half)
-    other_var = aggregation.standard_normal([tf.zeros([1000, 1001])] * 2, seed=tf.constant([5, 6]))
+    other_var = aggregation.standard_normal([tf.zeros(big)] * 2, seed=tf.constant([5, 6]))
     other_step = aggregation.standard_normal(like[:1], seed=tf.constant([5, 7]))[0].numpy()
     np.testing.assert_array_equal(other_var[0].numpy().ravel(), z.astype(np.float32))
     for w in (other_var[1].numpy().ravel(), other_step.ravel()):
