@@ -309,6 +309,11 @@ def _box_muller(n: int, *, seed: tf.Tensor) -> tf.Tensor:
     return z[:n] if 2 * half != n else z
 
 
+def _static_shape(t: Any) -> tuple[int | None, ...] | None:
+    shape = tf.TensorShape(t.shape)
+    return None if shape.rank is None else tuple(shape.as_list())
+
+
 def gaussian_noise(
     like: Sequence[tf.Tensor],
     *,
@@ -326,8 +331,21 @@ def gaussian_noise(
 
     Returns:
       One noise tensor per input.
+
+    Raises:
+      ValueError: if ``unit`` does not have one tensor of each input's static shape, in order (a
+        draw for other variables would leave a variable without noise, or broadcast one noise
+        value over many coordinates).
     """
-    unit = standard_normal(like, seed=seed) if unit is None else unit
+    if unit is None:
+        unit = standard_normal(like, seed=seed)
+    else:
+        want, got = ([_static_shape(t) for t in ts] for ts in (like, unit))
+        if want != got:
+            raise ValueError(
+                f"The pre-drawn noise has shapes {got}, the gradients {want}: draw it for the "
+                "same variables, in the same order."
+            )
     return [tf.cast(z * tf.cast(stddev, tf.float32), t.dtype) for z, t in zip(unit, like)]
 
 

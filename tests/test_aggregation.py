@@ -119,6 +119,48 @@ def test_noise_std_and_normalization():
     assert not np.allclose(out, other)
 
 
+def test_pre_drawn_noise_must_match_the_gradients():
+    """A draw made for other variables is refused rather than applied: with fewer tensors a
+    variable would get no noise; with a scalar where a vector is expected, one noise value would
+    be broadcast over every coordinate."""
+    grads = [tf.ones([3]), tf.ones([2, 2])]
+    s = aggregation.ClippedSum(
+        grads=tuple(grads),
+        l2_sensitivity=1.0,
+        num_examples=tf.constant(2.0),
+        per_example_norms=tf.ones([2]),
+        clip_weights=tf.ones([2, 2]),
+        per_example_loss=tf.zeros([2]),
+    )
+    seed = tf.constant([1, 2])
+    good = aggregation.standard_normal(grads, seed=seed)
+    out = aggregation.privatize(
+        s, noise_multiplier=1.0, expected_batch_size=2.0, seed=seed, unit_noise=good
+    )
+    want = aggregation.privatize(s, noise_multiplier=1.0, expected_batch_size=2.0, seed=seed)
+    for a, b in zip(out, want):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    bad_draws = {
+        "fewer": good[:1],
+        "scalar": [tf.zeros([]), good[1]],
+        "swapped": good[::-1],
+        "transposed": [good[0], tf.transpose(tf.reshape(good[1], [2, 2]))[:, :1]],
+    }
+    for bad in bad_draws.values():
+        with pytest.raises(ValueError, match="same variables"):
+            aggregation.privatize(
+                s, noise_multiplier=1.0, expected_batch_size=2.0, seed=seed, unit_noise=bad
+            )
+        with pytest.raises(ValueError, match="same variables"):  # the tensor-sigma path too
+            aggregation.privatize(
+                s,
+                noise_multiplier=tf.constant(1.0),
+                expected_batch_size=2.0,
+                seed=seed,
+                unit_noise=bad,
+            )
+
+
 def test_zero_noise_is_the_clipped_mean():
     s = aggregation.ClippedSum(
         grads=(tf.constant([2.0, 4.0]),),
