@@ -156,12 +156,30 @@ def effective_noise_multiplier(*, gradient_noise_multiplier: float, count_stddev
 
 
 def gradient_noise_multiplier_tensor(sigma: Any, *, count_stddev: float) -> tf.Tensor:
-    """:func:`gradient_noise_multiplier` of a float64 σ tensor (checked where σ was set)."""
+    """:func:`gradient_noise_multiplier` of a float64 σ tensor; the step fails unless
+    ``2 * count_stddev > σ`` when it runs (σ restored from a checkpoint skips the setter)."""
     sigma = tf.cast(tf.convert_to_tensor(sigma), tf.float64)
-    if count_stddev == 0.0:  # only σ = 0 passes the check: no noise
-        return tf.zeros_like(sigma)
+    if count_stddev == 0.0:  # only σ = 0 passes the setter's check: no noise
+        check = tf.debugging.Assert(
+            tf.equal(sigma, 0.0),
+            ["adaptive clipping without count noise needs noise_multiplier 0; got", sigma],
+        )
+        with tf.control_dependencies([check]):  # NaN (no release) where XLA drops the check
+            return tf.where(tf.equal(sigma, 0.0), tf.zeros_like(sigma), sigma * float("nan"))
     ratio = sigma / (2.0 * float(count_stddev))
-    return sigma / tf.sqrt(1.0 - tf.square(ratio))
+    # σ restored from a checkpoint bypasses the setter's check; with 2 σ_b <= σ the root below is
+    # NaN, which would leave the gradient without noise.
+    check = tf.debugging.Assert(
+        ratio < 1.0,
+        [
+            "adaptive clipping needs 2 * count_stddev > noise_multiplier; got noise_multiplier",
+            sigma,
+            "and count_stddev",
+            float(count_stddev),
+        ],
+    )
+    with tf.control_dependencies([check]):
+        return sigma / tf.sqrt(1.0 - tf.square(ratio))
 
 
 def noised_unclipped_fraction(

@@ -364,7 +364,8 @@ def privatize(
       noise_multiplier: σ; noise std is ``σ * clipped.l2_sensitivity``. A Python number is
         checked here (and σ = 0 skips the noise draw); a scalar tensor (the optimizer's
         ``noise_multiplier`` variable, so that a σ schedule takes effect without retracing) is
-        read when the step runs and must have been checked where it was set.
+        read when the step runs: the step fails unless it is finite and at least 0 (a variable
+        restored from a checkpoint, or a σ derived from it, was never checked by a setter).
       expected_batch_size: the divisor (``sampling_prob * num_examples`` under Poisson sampling).
       seed: ``[2]`` integer tensor; a fresh one per logical step.
       unit_noise: ``standard_normal(clipped.grads, seed=seed)`` when it was drawn earlier (to
@@ -380,9 +381,23 @@ def privatize(
     scale = 1.0 / float(expected_batch_size)
     if not isinstance(noise_multiplier, numbers.Real):  # a tensor or variable
         sigma = tf.cast(tf.convert_to_tensor(noise_multiplier), tf.float64)
+        # A NaN or negative σ would otherwise mean std 0 below: no noise, and no error.
+        valid = tf.math.is_finite(sigma) & (sigma >= 0.0)
+        check = tf.debugging.Assert(
+            valid, ["noise_multiplier must be finite and >= 0 when the step runs; got", sigma]
+        )
+        with tf.control_dependencies([check]):
+            sigma = tf.identity(sigma)
         sensitivity = tf.cast(clipped.l2_sensitivity, tf.float64)
-        # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN.
-        stddev = tf.where(sigma > 0, sigma * sensitivity, tf.zeros_like(sigma))
+        # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN. Any
+        # other sigma that is not > 0 is NaN noise: where the assertion above does not run (XLA
+        # drops it), the release is NaN rather than un-noised.
+        invalid = tf.fill(tf.shape(sigma), tf.constant(float("nan"), tf.float64))
+        stddev = tf.where(
+            sigma > 0,
+            sigma * sensitivity,
+            tf.where(tf.equal(sigma, 0.0), tf.zeros_like(sigma), invalid),
+        )
         noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)
         return [(g + n) * scale for g, n in zip(clipped.grads, noise)]
     check_privacy_args(

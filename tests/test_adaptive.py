@@ -246,6 +246,29 @@ def test_checkpoint_restores_the_bound(tmp_path, rng):
     assert clip_of(fresh) == clip_of(opt)  # the resumed run continues the same trajectory
 
 
+@pytest.mark.parametrize("count_stddev", [1.0, 0.0])
+def test_a_restored_sigma_the_count_noise_cannot_carry_fails_the_step(tmp_path, rng, count_stddev):
+    """σ restored from a checkpoint skips the setter's check. Restored into an optimizer whose
+    count noise is too small for it (2 σ_b <= σ, or σ_b = 0 with σ > 0), the effective gradient
+    noise multiplier is undefined; it used to come out NaN (or 0) and the step applied an update
+    without noise while the accounting counted σ. Now the step fails and the weights stay put."""
+    x = rng.normal(size=(8, 4)).astype("float32")
+    model, opt = linear_model(), make_opt(lr=1.0, sigma=3.0, count_stddev=2.0, seed=5)
+    step_fn(model, opt)(x)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    sigma = 1.0 if count_stddev else 0.0  # what the constructor's check accepts
+    fresh_model = linear_model()
+    fresh = make_opt(lr=1.0, sigma=sigma, count_stddev=count_stddev, seed=5)
+    fresh.build(fresh_model.trainable_variables)
+    tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
+    assert fresh.noise_multiplier == 3.0
+    before = fresh_model.trainable_variables[0].numpy().copy()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="count_stddev|noise_multiplier"):
+        step_fn(fresh_model, fresh)(x)
+    np.testing.assert_array_equal(fresh_model.trainable_variables[0].numpy(), before)
+
+
 def test_fit_logs_the_bound_saves_it_and_accounts_the_effective_sigma(tmp_path, rng):
     n, q, steps, sigma, sigma_b = 64, 0.125, 6, 0.8, 0.6
     x = rng.normal(size=(n, 4)).astype("float32")

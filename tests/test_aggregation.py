@@ -161,6 +161,39 @@ def test_pre_drawn_noise_must_match_the_gradients():
             )
 
 
+@pytest.mark.parametrize("sigma", [float("nan"), -1.0, float("inf")])
+def test_a_tensor_noise_multiplier_that_is_not_finite_and_non_negative_fails_the_step(sigma):
+    """A σ tensor is read when the step runs (a variable restored from a checkpoint was never
+    checked by a setter): NaN or a negative σ would mean std 0, an un-noised release, so the step
+    fails instead, eagerly and in a graph. σ = 0 (a non-private run) still passes."""
+    s = aggregation.ClippedSum(
+        grads=(tf.ones([3]),),
+        l2_sensitivity=1.0,
+        num_examples=tf.constant(2.0),
+        per_example_norms=tf.ones([2]),
+        clip_weights=tf.ones([2, 1]),
+        per_example_loss=tf.zeros([2]),
+    )
+
+    def run(value):
+        return aggregation.privatize(
+            s, noise_multiplier=value, expected_batch_size=1.0, seed=tf.constant([1, 2])
+        )
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="finite and >= 0"):
+        run(tf.constant(sigma))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="finite and >= 0"):
+        tf.function(run)(tf.constant(sigma))
+    np.testing.assert_array_equal(run(tf.constant(0.0))[0].numpy(), [1.0, 1.0, 1.0])
+    # XLA drops assertions: there the release must be NaN, never the un-noised sum.
+    try:
+        out = tf.function(run, jit_compile=True)(tf.constant(sigma))[0].numpy()
+    except tf.errors.InvalidArgumentError:
+        pass
+    else:
+        assert np.all(np.isnan(out)) or (sigma == float("inf") and not np.any(np.isfinite(out)))
+
+
 def test_zero_noise_is_the_clipped_mean():
     s = aggregation.ClippedSum(
         grads=(tf.constant([2.0, 4.0]),),
