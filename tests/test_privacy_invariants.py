@@ -1118,3 +1118,30 @@ def test_fit_applies_exactly_the_sampled_steps(seed, steps, epochs, start_step):
     dp.fit(sampler(), epochs=epochs, verbose=0)
     assert int(dp.optimizer.dp_steps) - before == steps * epochs
     assert int(dp.optimizer.micro_steps) == 0
+
+
+@pytest.mark.parametrize("bad", [2.0, 0.5, -1.0, float("nan")])
+def test_a_mask_value_other_than_0_or_1_never_weights_a_row(bad):
+    """A mask is a 0/1 padding marker. Any other value fails the step in a graph; under XLA,
+    which drops assertions, the row counts as padding: the clipped sum equals the one with that
+    row masked out, bit for bit (a mask of 2 used to double the row's clipped gradient there)."""
+    import keras
+
+    from dpcore import engine
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 4)) * 100, tf.float32)
+    y = tf.constant([0, 1, 0, 1])
+
+    def clipped(mask):
+        s = engine.summarize(model, loss, x, y, mask=mask)
+        return aggregation.clip(s, l2_norm_clip=1.0).grads
+
+    mask = tf.constant([bad, 1.0, 1.0, 1.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="mask must hold only 0"):
+        tf.function(clipped)(mask)
+    xla = tf.function(clipped, jit_compile=True)
+    padded = xla(tf.constant([0.0, 1.0, 1.0, 1.0]))
+    for got, want in zip(xla(mask), padded):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

@@ -268,7 +268,8 @@ def _select_rows(keep: tf.Tensor, t: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
 
 
 def _check_mask(mask: Any, b: tf.Tensor) -> tf.Tensor:
-    """``[B]`` float32 0/1 mask; any other value fails the step (a mask of 2 would double a row)."""
+    """``[B]`` float32 0/1 mask; any other value fails the step (a mask of 2 would double a row),
+    or, under XLA, which drops the assertion, makes the row padding."""
     if mask is None:
         return tf.ones([b], tf.float32)
     mask = tf.reshape(tf.convert_to_tensor(mask), [-1])
@@ -283,7 +284,9 @@ def _check_mask(mask: Any, b: tf.Tensor) -> tf.Tensor:
         ],
     )
     with tf.control_dependencies([check]):
-        return tf.identity(mask)
+        # The same 0/1 values; where the assertion does not run (XLA drops assertions), any other
+        # value is padding rather than a weight on the row's clipped gradient.
+        return tf.where(tf.equal(mask, 1.0), tf.ones_like(mask), tf.zeros_like(mask))
 
 
 def drop_nonfinite(
