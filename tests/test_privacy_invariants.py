@@ -1145,3 +1145,43 @@ def test_a_mask_value_other_than_0_or_1_never_weights_a_row(bad):
     padded = xla(tf.constant([0.0, 1.0, 1.0, 1.0]))
     for got, want in zip(xla(mask), padded):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_the_dp_step_refuses_to_be_compiled_whole_by_xla():
+    """XLA drops the step's assertions and its CPU maxima drop NaN, so neither a user's
+    ``tf.function(jit_compile=True)`` around ``dp_train_step`` nor ``DPModel`` compiled with
+    ``jit_compile=True`` may trace the DP step; without XLA the same step runs."""
+    import keras
+
+    import dpcore
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    opt = dpcore.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4
+    )
+    opt.build(model.trainable_variables)
+    x, y = tf.ones([4, 4]), tf.constant([0, 1, 0, 1])
+
+    def step(x, y):
+        return dpcore.dp_train_step(model, loss, x, y, optimizer=opt)
+
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="cannot be compiled as a whole by XLA"):
+        tf.function(step, jit_compile=True)(x, y)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    tf.function(step)(x, y)
+    assert int(opt.dp_steps.numpy()) == 1
+
+    dp = dpcore.make_private(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=loss,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+        jit_compile=True,
+    )
+    with pytest.raises(ValueError, match="cannot be compiled as a whole by XLA"):
+        dp.fit(x, y, batch_size=4, epochs=1, verbose=0)
