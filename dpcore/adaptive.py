@@ -159,27 +159,27 @@ def gradient_noise_multiplier_tensor(sigma: Any, *, count_stddev: float) -> tf.T
     """:func:`gradient_noise_multiplier` of a float64 σ tensor; the step fails unless
     ``2 * count_stddev > σ`` when it runs (σ restored from a checkpoint skips the setter)."""
     sigma = tf.cast(tf.convert_to_tensor(sigma), tf.float64)
+    # σ restored from a checkpoint bypasses the setter's check, and an undefined σ_Δ (2 σ_b <= σ,
+    # or σ_b = 0 with σ > 0) must never become noise of std 0.
     if count_stddev == 0.0:  # only σ = 0 passes the setter's check: no noise
-        check = tf.debugging.Assert(
-            tf.equal(sigma, 0.0),
-            ["adaptive clipping without count noise needs noise_multiplier 0; got", sigma],
-        )
-        with tf.control_dependencies([check]):  # NaN (no release) where XLA drops the check
-            return tf.where(tf.equal(sigma, 0.0), tf.zeros_like(sigma), sigma * float("nan"))
-    ratio = sigma / (2.0 * float(count_stddev))
-    # σ restored from a checkpoint bypasses the setter's check; with 2 σ_b <= σ the root below is
-    # NaN, which would leave the gradient without noise.
+        ok = tf.equal(sigma, 0.0)
+        sigma_delta = tf.zeros_like(sigma)
+    else:
+        ratio = sigma / (2.0 * float(count_stddev))
+        ok = ratio < 1.0
+        sigma_delta = sigma / tf.sqrt(1.0 - tf.square(ratio))
     check = tf.debugging.Assert(
-        ratio < 1.0,
+        ok,
         [
-            "adaptive clipping needs 2 * count_stddev > noise_multiplier; got noise_multiplier",
+            "adaptive clipping needs 2 * count_stddev > noise_multiplier (or both 0); got "
+            "noise_multiplier",
             sigma,
             "and count_stddev",
             float(count_stddev),
         ],
     )
-    with tf.control_dependencies([check]):
-        return sigma / tf.sqrt(1.0 - tf.square(ratio))
+    with tf.control_dependencies([check]):  # NaN (no release) where XLA drops the check
+        return tf.where(ok, sigma_delta, sigma * float("nan"))
 
 
 def noised_unclipped_fraction(

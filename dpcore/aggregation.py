@@ -392,11 +392,10 @@ def privatize(
         # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN. Any
         # other sigma that is not > 0 is NaN noise: where the assertion above does not run (XLA
         # drops it), the release is NaN rather than un-noised.
-        invalid = tf.fill(tf.shape(sigma), tf.constant(float("nan"), tf.float64))
         stddev = tf.where(
             sigma > 0,
             sigma * sensitivity,
-            tf.where(tf.equal(sigma, 0.0), tf.zeros_like(sigma), invalid),
+            tf.where(tf.equal(sigma, 0.0), tf.zeros_like(sigma), sigma * float("nan")),
         )
         noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)
         return [(g + n) * scale for g, n in zip(clipped.grads, noise)]

@@ -119,19 +119,24 @@ def test_noise_std_and_normalization():
     assert not np.allclose(out, other)
 
 
+def _sum_of_two(grads):
+    """A clipped sum of two examples (bound 1) with the given per-variable sums."""
+    return aggregation.ClippedSum(
+        grads=tuple(grads),
+        l2_sensitivity=1.0,
+        num_examples=tf.constant(2.0),
+        per_example_norms=tf.ones([2]),
+        clip_weights=tf.ones([2, len(grads)]),
+        per_example_loss=tf.zeros([2]),
+    )
+
+
 def test_pre_drawn_noise_must_match_the_gradients():
     """A draw made for other variables is refused rather than applied: with fewer tensors a
     variable would get no noise; with a scalar where a vector is expected, one noise value would
     be broadcast over every coordinate."""
     grads = [tf.ones([3]), tf.ones([2, 2])]
-    s = aggregation.ClippedSum(
-        grads=tuple(grads),
-        l2_sensitivity=1.0,
-        num_examples=tf.constant(2.0),
-        per_example_norms=tf.ones([2]),
-        clip_weights=tf.ones([2, 2]),
-        per_example_loss=tf.zeros([2]),
-    )
+    s = _sum_of_two(grads)
     seed = tf.constant([1, 2])
     good = aggregation.standard_normal(grads, seed=seed)
     out = aggregation.privatize(
@@ -166,14 +171,7 @@ def test_a_tensor_noise_multiplier_that_is_not_finite_and_non_negative_fails_the
     """A σ tensor is read when the step runs (a variable restored from a checkpoint was never
     checked by a setter): NaN or a negative σ would mean std 0, an un-noised release, so the step
     fails instead, eagerly and in a graph. σ = 0 (a non-private run) still passes."""
-    s = aggregation.ClippedSum(
-        grads=(tf.ones([3]),),
-        l2_sensitivity=1.0,
-        num_examples=tf.constant(2.0),
-        per_example_norms=tf.ones([2]),
-        clip_weights=tf.ones([2, 1]),
-        per_example_loss=tf.zeros([2]),
-    )
+    s = _sum_of_two([tf.ones([3])])
 
     def run(value):
         return aggregation.privatize(
