@@ -44,7 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 import keras
 import tensorflow as tf
 
-from dpcore import adaptive, aggregation
+from dpcore import adaptive, aggregation, validation
 from dpcore.adaptive import AdaptiveClip
 from dpcore.aggregation import ClippedSum
 from dpcore.engine.summary import GradientSummary
@@ -586,12 +586,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
           ValueError: for mismatched gradients/variables or a sensitivity that changes between
             micro-steps.
           ValueError: under a multi-replica strategy, when called outside ``strategy.run``.
+          ValueError: inside an XLA-compiled function (its guards are assertions, which XLA
+            drops; see :func:`dpcore.validation.check_not_compiled_by_xla`).
 
         Privacy:
           Noise ``N(0, (σ · clipped.l2_sensitivity)^2)`` is added once to the summed micro-batches
           of a logical step, then divided by ``expected_batch_size``. Micro-batches of one logical
           step must be disjoint.
         """
+        validation.check_not_compiled_by_xla("DPOptimizer.apply_clipped_sum")
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas > 1 and tf.distribute.in_cross_replica_context():
             raise ValueError(

@@ -22,10 +22,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from dpcore import engine
+from dpcore import engine, validation
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
-from dpcore.rules.base import tracing_for_xla
 
 __all__ = ["DPStepResult", "dp_step", "dp_train_step"]
 
@@ -89,14 +88,7 @@ def dp_step(
             "e.g. dpcore.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=..., "
             "noise_multiplier=..., expected_batch_size=...)."
         )
-    if tracing_for_xla():
-        raise ValueError(
-            "dpcore's DP step cannot be compiled as a whole by XLA (jit_compile=True): XLA drops "
-            "the step's assertions (non-finite inputs and gradients, the clipped sum reaching the "
-            "weights), and its CPU maxima do not propagate NaN, which the certified norm bounds "
-            "rely on. Compile without jit_compile (DPModel's default); dpcore already compiles "
-            "its large per-example products with XLA inside the step."
-        )
+    validation.check_not_compiled_by_xla("dpcore's DP step")
     variables = list(model.trainable_variables)
     # Data-independent: drawn first, so that it overlaps the forward and backward passes.
     step_noise = optimizer.draw_step_noise(variables)

@@ -27,6 +27,10 @@ Keras 3 runs in inference mode). Results are cached per model under a structural
 layer's identity, ``trainable`` and ``stateful`` flags, the training mode and the input
 signature), so the check runs when a step is traced, not on every step, and runs again when the
 user toggles ``layer.trainable``.
+
+:func:`check_not_compiled_by_xla` is the other entry-point check: the DP step, ``summarize`` and
+``DPOptimizer.apply_clipped_sum`` refuse to be traced for XLA as a whole, because XLA drops the
+assertions that stand between a bad batch and the weights.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
+from dpcore.rules.base import tracing_for_xla
 
 _NORM_HINT = (
     "use keras.layers.GroupNormalization(groups=...) or keras.layers.LayerNormalization instead "
@@ -433,3 +439,26 @@ def check_model(
     if len(done) >= _MAX_KEYS_PER_MODEL:
         done.clear()
     done.add(key)
+
+
+def check_not_compiled_by_xla(entry: str) -> None:
+    """Refuses to trace ``entry`` (a public DP entry point) inside an XLA-compiled function.
+
+    XLA drops ``tf.debugging.Assert`` ("Ignoring Assert operator"), and the DP step's guards are
+    assertions: NaN or Inf in a batch, an example whose loss or gradient is not finite, a clipped
+    sum that is not finite before it reaches the weights. Its CPU maxima also drop NaN, which the
+    certified norm bounds expect to propagate. Nothing is lost by refusing: dpcore compiles its
+    own large per-example products with XLA inside the step.
+
+    Raises:
+      ValueError: while tracing for XLA (``jit_compile=True`` on ``DPModel.compile`` or on a
+        ``tf.function`` around ``entry``).
+    """
+    if tracing_for_xla():
+        raise ValueError(
+            f"{entry} cannot be compiled by XLA as part of a jit_compile=True function: XLA drops "
+            "the assertions that guard the DP step (non-finite inputs and gradients, the clipped "
+            "sum reaching the weights), and its CPU maxima do not propagate NaN, which the "
+            "certified norm bounds rely on. Compile without jit_compile (DPModel's default); "
+            "dpcore already compiles its large per-example products with XLA inside the step."
+        )

@@ -1122,12 +1122,17 @@ def test_fit_applies_exactly_the_sampled_steps(seed, steps, epochs, start_step):
 
 @pytest.mark.parametrize("bad", [2.0, 0.5, -1.0, float("nan")])
 def test_a_mask_value_other_than_0_or_1_never_weights_a_row(bad):
-    """A mask is a 0/1 padding marker. Any other value fails the step in a graph; under XLA,
-    which drops assertions, the row counts as padding: the clipped sum equals the one with that
-    row masked out, bit for bit (a mask of 2 used to double the row's clipped gradient there)."""
+    """A mask is a 0/1 padding marker. Any other value fails the step in a graph. The batch
+    preparation also makes such a row padding where its assertion does not run: traced for XLA
+    (which drops assertions, and which the public entry points refuse), the clipped sum equals the
+    one with that row masked out, bit for bit (a mask of 2 used to double the row's clipped
+    gradient there)."""
     import keras
 
     from dpcore import engine
+    from dpcore.engine.ghost import fast_summary
+    from dpcore.engine.summary import prepare_batch
+    from dpcore.losses import per_example_loss_fn
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -1141,16 +1146,22 @@ def test_a_mask_value_other_than_0_or_1_never_weights_a_row(bad):
     mask = tf.constant([bad, 1.0, 1.0, 1.0])
     with pytest.raises(tf.errors.InvalidArgumentError, match="mask must hold only 0"):
         tf.function(clipped)(mask)
-    xla = tf.function(clipped, jit_compile=True)
+
+    def prepared(mask):
+        xp, yp, swp, mkp = prepare_batch(x, y, None, mask)
+        s = fast_summary(
+            model, per_example_loss_fn(loss), xp, yp, swp, mkp, model.trainable_variables
+        )
+        return aggregation.clip(s, l2_norm_clip=1.0).grads
+
+    xla = tf.function(prepared, jit_compile=True)
     padded = xla(tf.constant([0.0, 1.0, 1.0, 1.0]))
     for got, want in zip(xla(mask), padded):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
-def test_the_dp_step_refuses_to_be_compiled_whole_by_xla():
-    """XLA drops the step's assertions and its CPU maxima drop NaN, so neither a user's
-    ``tf.function(jit_compile=True)`` around ``dp_train_step`` nor ``DPModel`` compiled with
-    ``jit_compile=True`` may trace the DP step; without XLA the same step runs."""
+def _dense_and_dp_optimizer():
+    """A one-Dense model, its per-example loss, a built DPOptimizer and a batch of 4."""
     import keras
 
     import dpcore
@@ -1161,13 +1172,24 @@ def test_the_dp_step_refuses_to_be_compiled_whole_by_xla():
         keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4
     )
     opt.build(model.trainable_variables)
-    x, y = tf.ones([4, 4]), tf.constant([0, 1, 0, 1])
+    return model, loss, opt, tf.ones([4, 4]), tf.constant([0, 1, 0, 1])
+
+
+def test_the_dp_step_refuses_to_be_compiled_whole_by_xla():
+    """XLA drops the step's assertions and its CPU maxima drop NaN, so neither a user's
+    ``tf.function(jit_compile=True)`` around ``dp_train_step`` nor ``DPModel`` compiled with
+    ``jit_compile=True`` may trace the DP step; without XLA the same step runs."""
+    import keras
+
+    import dpcore
+
+    model, loss, opt, x, y = _dense_and_dp_optimizer()
 
     def step(x, y):
         return dpcore.dp_train_step(model, loss, x, y, optimizer=opt)
 
     before = [v.numpy().copy() for v in model.trainable_variables]
-    with pytest.raises(ValueError, match="cannot be compiled as a whole by XLA"):
+    with pytest.raises(ValueError, match="cannot be compiled by XLA"):
         tf.function(step, jit_compile=True)(x, y)
     for v, b in zip(model.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
@@ -1183,5 +1205,32 @@ def test_the_dp_step_refuses_to_be_compiled_whole_by_xla():
         expected_batch_size=4,
         jit_compile=True,
     )
-    with pytest.raises(ValueError, match="cannot be compiled as a whole by XLA"):
+    with pytest.raises(ValueError, match="cannot be compiled by XLA"):
         dp.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_the_custom_loop_stages_refuse_to_be_compiled_by_xla():
+    """A custom loop's stages whose guards are assertions refuse XLA too: ``dpcore.summarize``
+    (non-finite inputs and examples) and ``DPOptimizer.apply_clipped_sum`` (a clipped sum that is
+    not finite); nothing changes, and the same loop runs without XLA."""
+    import dpcore
+
+    model, loss, opt, x, y = _dense_and_dp_optimizer()
+
+    def summarize(x, y):
+        return dpcore.summarize(model, loss, x, y).sq_norms
+
+    with pytest.raises(ValueError, match="dpcore.summarize cannot be compiled by XLA"):
+        tf.function(summarize, jit_compile=True)(x, y)
+    clipped = opt.clip(dpcore.summarize(model, loss, x, y))
+
+    def apply():
+        opt.apply_clipped_sum(clipped, model.trainable_variables)
+        return opt.dp_steps
+
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="apply_clipped_sum cannot be compiled by XLA"):
+        tf.function(apply, jit_compile=True)()
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert int(tf.function(apply)().numpy()) == 1

@@ -93,13 +93,15 @@ def summarize(
     Raises:
       ValueError: for a model without trainable variables, a scalar loss or a batch-size
         mismatch (or a batch size that is not a multiple of ``group_size``); TypeError for options
-        that are not an ``ExecutionOptions``.
+        that are not an ``ExecutionOptions``; ValueError inside an XLA-compiled function
+        (see :func:`dpcore.validation.check_not_compiled_by_xla`).
 
     Privacy:
       Every per-example quantity depends on one example (one unit) only; masked and skipped
       examples have zero norm and zero weight. The model is validated
       (:func:`dpcore.validation.check_model`).
     """
+    validation.check_not_compiled_by_xla("dpcore.summarize")
     options = resolve(options)
     group = options.group_size
     variables = check_variables(model.trainable_variables if variables is None else variables)
