@@ -28,6 +28,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from dpcore import aggregation
+
 __all__ = [
     "AdaptiveClip",
     "effective_noise_multiplier",
@@ -202,7 +204,9 @@ def noised_unclipped_fraction(
     count = tf.cast(centred_count, tf.float64)
     if count_stddev > 0.0:
         stream = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _COUNT_STREAM)
-        z = tf.random.stateless_normal([], seed=stream, dtype=tf.float64)
+        # The gradient noise's sampler (support up to 9.42 standard deviations), not
+        # tf.random.stateless_normal, which stops at 5.68 in float64 too.
+        z = tf.cast(aggregation.standard_normal([tf.zeros([])], seed=stream)[0], tf.float64)
         count = count + float(count_stddev) * z
     return count / float(expected_batch_size) + 0.5
 

@@ -263,7 +263,9 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
     The stream: the tensors are grouped by :func:`noise_groups` (from their static sizes); group
     ``g`` draws the Box-Muller transform (:func:`_box_muller`) of as many values as its tensors
     have elements with seed ``fold_in(seed, g)``, and its tensors take consecutive slices of it in
-    order, each reshaped to its shape.
+    order, each reshaped to its shape. Each value is at most :data:`NOISE_RADIUS_MAX` (9.42) in
+    magnitude, a support wide enough that no output a neighbouring dataset cannot produce has
+    more than about ``1e-12`` probability per step (PRIVACY.md, "Noise support").
 
     Args:
       like: tensors (or variables) giving the shapes.
@@ -290,23 +292,58 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
     return out
 
 
-def _box_muller(n: int, *, seed: tf.Tensor) -> tf.Tensor:
-    """``n`` float32 ``N(0, 1)`` values (``[n]``) by the Box-Muller transform of Philox uniforms.
+# Each Box-Muller pair's radius is sqrt(-2 log w), w uniform on (0, 1] in steps as fine as 2^-64
+# near 0, so the largest radius is sqrt(128 ln 2) = 9.42. A bounded support lets an output fall
+# where a neighbouring dataset's cannot (probability mass outside the Gaussian mechanism's
+# accounting): with 23-bit uniforms (radius at most 5.65, TensorFlow's normal stops at 5.68) that
+# mass reached 2e-4 per step for a 500k-weight model at σ = 1.6 (PRIVACY.md, "Noise support").
+NOISE_RADIUS_MAX = math.sqrt(128.0 * math.log(2.0))
 
-    The method of ``tf.random.stateless_normal`` (Box-Muller on 23-bit float32 uniforms), written
-    with whole-tensor ops: TensorFlow's op evaluates the logarithm, root and sine/cosine one scalar
-    at a time, these ops vectorize them, and the draw takes about 0.6 times as long on CPU. With
-    ``u`` uniform on the float32 grid of ``[0, 1)``, ``1 - u`` is in ``(0, 1]`` (exactly), so the
-    radius ``sqrt(-2 log(1 - u))`` is finite (at most 5.65, where TensorFlow's op stops at 5.68).
-    The uniforms are ``stateless_uniform([2, ceil(n / 2)], seed)``; the values are the cosine
-    half, then the sine half, cut to ``n``.
+
+def _box_muller(n: int, *, seed: tf.Tensor) -> tf.Tensor:
+    """``n`` float32 ``N(0, 1)`` values (``[n]``) by the Box-Muller transform of Philox bits.
+
+    The bits are ``stateless_uniform([3, ceil(n / 2)], seed, dtype=int32, minval=None,
+    maxval=None)``: per pair two words for the radius and one for the angle
+    (:func:`_polar_from_bits`). The values are the cosine half, then the sine half, cut to ``n``.
+    Written with whole-tensor ops: ``tf.random.stateless_normal`` evaluates the logarithm, root
+    and sine/cosine one scalar at a time, and stops at radius 5.68.
     """
     half = (n + 1) // 2
-    u0, u1 = tf.unstack(tf.random.stateless_uniform([2, half], seed=seed, dtype=tf.float32))
-    radius = tf.sqrt(-2.0 * tf.math.log1p(-u0))
-    angle = (2.0 * math.pi) * u1
+    bits = tf.random.stateless_uniform(
+        [3, half], seed=seed, dtype=tf.int32, minval=None, maxval=None
+    )
+    radius, angle = _polar_from_bits(*tf.unstack(bits))
     z = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
     return z[:n] if 2 * half != n else z
+
+
+def _polar_from_bits(
+    high: tf.Tensor, low: tf.Tensor, angle_bits: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Box-Muller radius and angle (float32) from three int32 words of random bits per pair.
+
+    The radius is ``sqrt(-2 log w)`` with ``w = (h + t) 2^-24``: ``h`` the top 24 bits of
+    ``high`` (exact in float32) and ``t = (l + 1) 2^-40`` in ``(0, 1]`` from the other 40 bits
+    (``high``'s low 8, then ``low``), so ``w`` is uniform on ``(0, 1]`` down to ``2^-64`` and the
+    radius lies in ``[0, NOISE_RADIUS_MAX]`` (never NaN or infinite, for any bits). The angle is
+    ``2 pi a 2^-24``, ``a`` the top 24 bits of ``angle_bits``.
+    """
+    high, low, angle_bits = (tf.bitcast(b, tf.uint32) for b in (high, low, angle_bits))
+    eight = tf.constant(8, tf.uint32)
+    top = tf.cast(tf.bitwise.right_shift(high, eight), tf.float32)
+    # float32 rounding keeps this sum in [1, 2^40] (2^40 + 1 rounds to 2^40), so t <= 1 and w <= 1.
+    rest = (
+        tf.cast(tf.bitwise.bitwise_and(high, tf.constant(255, tf.uint32)), tf.float32) * 2.0**32
+        + tf.cast(low, tf.float32)
+        + 1.0
+    )
+    w = (top + rest * 2.0**-40) * 2.0**-24
+    radius = tf.sqrt(-2.0 * tf.math.log(w))
+    angle = tf.cast(tf.bitwise.right_shift(angle_bits, eight), tf.float32) * (
+        2.0 * math.pi * 2.0**-24
+    )
+    return radius, angle
 
 
 def _static_shape(t: Any) -> tuple[int | None, ...] | None:

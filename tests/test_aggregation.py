@@ -206,13 +206,56 @@ def test_zero_noise_is_the_clipped_mean():
 
 
 def _documented_draw(seed, n, g):
-    """``n`` values of group ``g``'s stream as the docstring states it, written out again."""
+    """``n`` values of group ``g``'s stream as the docstrings state it, written out again (in
+    NumPy for the bits, TensorFlow for the transcendental functions)."""
     half = (n + 1) // 2
     s = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), g)
-    u = tf.random.stateless_uniform([2, half], seed=s, dtype=tf.float32)
-    radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
-    angle = (2.0 * math.pi) * u[1]
+    bits = tf.random.stateless_uniform(
+        [3, half], seed=s, dtype=tf.int32, minval=None, maxval=None
+    ).numpy()
+    high, low, angle_bits = bits.view(np.uint32)
+    top = (high >> 8).astype(np.float32)
+    rest = (
+        (high & 255).astype(np.float32) * np.float32(2.0**32)
+        + low.astype(np.float32)
+        + np.float32(1.0)
+    )
+    w = (top + rest * np.float32(2.0**-40)) * np.float32(2.0**-24)
+    radius = tf.sqrt(-2.0 * tf.math.log(tf.constant(w)))
+    angle = tf.constant((angle_bits >> 8).astype(np.float32) * np.float32(2.0 * math.pi * 2.0**-24))
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0).numpy()[:n]
+
+
+def test_noise_support_reaches_9_4_standard_deviations():
+    """Box-Muller's radius ``sqrt(-2 log w)`` is bounded by the smallest ``w`` its uniform bits can
+    give. With 23-bit uniforms (``tf.random.stateless_uniform`` float32) that was 5.65, a support
+    so narrow that outputs a neighbouring dataset cannot produce had about 2e-4 probability per
+    step (PRIVACY.md). The radius now takes 64 bits: all-zero bits give NOISE_RADIUS_MAX = 9.42,
+    all-one bits 0, and no bit pattern gives NaN, Inf or a radius outside [0, 9.42]."""
+    r_max = aggregation.NOISE_RADIUS_MAX
+    assert abs(r_max - math.sqrt(128 * math.log(2))) < 1e-12 and r_max > 9.4
+    edge = np.array(
+        [0, 1, 255, 256, 2**8 - 1, 2**24, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1], np.uint64
+    ).astype(np.uint32)
+    rng = np.random.default_rng(0)
+    high = np.concatenate([np.repeat(edge, edge.size), rng.integers(0, 2**32, 10000)])
+    low = np.concatenate([np.tile(edge, edge.size), rng.integers(0, 2**32, 10000)])
+    as_int32 = lambda b: tf.constant(np.asarray(b, np.uint32).view(np.int32))  # noqa: E731
+    radius, angle = aggregation._polar_from_bits(as_int32(high), as_int32(low), as_int32(high))
+    radius, angle = radius.numpy(), angle.numpy()
+    assert np.all(np.isfinite(radius)) and np.all(np.isfinite(angle))
+    assert radius.min() >= 0.0 and radius.max() <= np.float32(r_max) * (1 + 2**-22)
+    assert angle.min() >= 0.0 and angle.max() < np.float32(2 * math.pi) * (1 + 2**-22)
+    # All-zero radius bits: w = 2^-64. All-one bits: w = 1.
+    np.testing.assert_allclose(radius[0], r_max, rtol=1e-6)
+    assert radius[edge.size * edge.size - 1] == 0.0
+    # The radius is the float64 formula of the 64-bit integer, up to float32 roundings: the tail
+    # where w is tiny (high < 2^8) is as fine as the rest.
+    k = high.astype(np.float64) * 2.0**32 + low.astype(np.float64)
+    want = np.sqrt(-2.0 * np.log((k + 1.0) * 2.0**-64))
+    tail = high < 2**8
+    np.testing.assert_allclose(radius[tail], want[tail], rtol=1e-6)
+    np.testing.assert_allclose(radius, want, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("seed", [[5, 6], [-3, 2**40]], ids=["int32", "int64"])
@@ -220,8 +263,8 @@ def _documented_draw(seed, n, g):
 def test_standard_normal_follows_the_documented_seeding(seed, cap, monkeypatch):
     """A step's draw is, bit for bit, the documented stream, eagerly and in a graph: tensors in
     groups of consecutive tensors of at most ``NOISE_GROUP_ELEMENTS`` elements (a larger one
-    alone); group ``g`` is Box-Muller (cosine half, then sine half) of the Philox uniforms
-    ``stateless_uniform([2, ceil(n / 2)], seed=fold_in(seed, g))``, cut into its tensors in
+    alone); group ``g`` is Box-Muller (cosine half, then sine half) of the Philox bits
+    ``stateless_uniform([3, ceil(n / 2)], seed=fold_in(seed, g), dtype=int32)``, cut into its tensors in
     order. A stated stream that other code (and users reproducing a run) can rely on."""
     if cap is not None:
         monkeypatch.setattr(aggregation, "NOISE_GROUP_ELEMENTS", cap)
@@ -276,7 +319,7 @@ def test_standard_normal_is_standard_normal():
     assert all(d.dtype == tf.float32 for d in draws)
     z = draws[0].numpy().astype(np.float64).ravel()
     n = z.size
-    assert np.all(np.isfinite(z)) and np.abs(z).max() < 5.7
+    assert np.all(np.isfinite(z)) and np.abs(z).max() <= aggregation.NOISE_RADIUS_MAX
     assert abs(z.mean()) < 5 / math.sqrt(n)
     assert abs(z.var() - 1) < 5 * math.sqrt(2 / n)
     assert abs(stats.skew(z)) < 5 * math.sqrt(6 / n)

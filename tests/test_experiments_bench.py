@@ -156,9 +156,9 @@ def test_profile_top_ops_sees_the_noise_draw_only_in_the_dp_step():
         assert [o["self_ms"] for o in ops] == sorted((o["self_ms"] for o in ops), reverse=True)
         assert "IDLE" not in {o["type"] for o in ops}
     types = {m: {o["type"] for o in row["top_ops"]} for m, row in rows.items()}
-    # The Gaussian noise: Box-Muller on Philox uniforms (dpcore.aggregation.standard_normal).
-    assert "StatelessRandomUniformV2" in types["fast"]
-    assert "StatelessRandomUniformV2" not in types["nonprivate"]
+    # The Gaussian noise: Box-Muller on Philox bits (dpcore.aggregation.standard_normal).
+    assert "StatelessRandomUniformFullIntV2" in types["fast"]
+    assert "StatelessRandomUniformFullIntV2" not in types["nonprivate"]
 
 
 def test_planned_steps_keeps_at_least_three_within_budget():
