@@ -38,8 +38,8 @@ __all__ = [
     "updated_clip",
 ]
 
-# The count noise is drawn from fold_in(step seed, _COUNT_STREAM); the gradient noise of variable
-# group g uses fold_in(step seed, g) (dpcore.aggregation.standard_normal), g < the number of
+# The count noise is drawn from fold_in(step seed, int64(_COUNT_STREAM)); the gradient noise of
+# variable group g uses fold_in(step seed, int64(g)) (dpcore.aggregation.standard_normal), g < the number of
 # variables.
 _COUNT_STREAM = 2**31 - 1
 # C stays a positive normal float32 so that the noise std σ_Δ C is finite and non-zero.
@@ -203,7 +203,9 @@ def noised_unclipped_fraction(
     """
     count = tf.cast(centred_count, tf.float64)
     if count_stddev > 0.0:
-        stream = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _COUNT_STREAM)
+        stream = tf.random.experimental.stateless_fold_in(
+            tf.cast(seed, tf.int64), tf.constant(_COUNT_STREAM, tf.int64)
+        )
         # The gradient noise's sampler (support up to 9.42 standard deviations), not
         # tf.random.stateless_normal, which stops at 5.68 in float64 too.
         z = tf.cast(aggregation.standard_normal([tf.zeros([])], seed=stream)[0], tf.float64)

@@ -262,8 +262,8 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
 
     The stream: the tensors are grouped by :func:`noise_groups` (from their static sizes); group
     ``g`` draws the Box-Muller transform (:func:`_box_muller`) of as many values as its tensors
-    have elements with seed ``fold_in(seed, g)``, and its tensors take consecutive slices of it in
-    order, each reshaped to its shape. Each value is at most :data:`NOISE_RADIUS_MAX` (9.42) in
+    have elements with seed ``fold_in(seed, int64(g))`` (a 64-bit draw from ``seed``, then
+    ``g``), and its tensors take consecutive slices of it in order, each reshaped to its shape. Each value is at most :data:`NOISE_RADIUS_MAX` (9.42) in
     magnitude, a support wide enough that no output a neighbouring dataset cannot produce has
     more than about ``1e-12`` probability per step (PRIVACY.md, "Noise support").
 
@@ -278,12 +278,16 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
     seed = tf.cast(seed, tf.int64)
     shapes = [tf.TensorShape(t.shape) for t in like]
     sizes = [s.num_elements() for s in shapes]
-    # fold_in(seed, g) is [r, g] with r one draw from seed, the same for every g: drawn once here
-    # (the same values as calling fold_in per group, with a few operations fewer per group).
-    r = tf.random.stateless_uniform([], seed=seed, dtype=tf.int32, minval=None, maxval=None)
+    # fold_in(seed, g) for an int64 g is [r, g] with r one 64-bit draw from seed, the same for
+    # every g: drawn once here. 64 bits, not 32: with an int32 r, two steps of a run of 10^5
+    # steps shared their whole noise draw with probability 0.69 (birthday bound), and the
+    # difference of those two releases was noise-free.
+    r = tf.random.stateless_uniform([], seed=seed, dtype=tf.int64, minval=None, maxval=None)
     out: list[tf.Tensor] = []
     for g, members in enumerate(noise_groups(sizes)):
-        z = _box_muller(sum(sizes[j] for j in members), seed=tf.stack([r, g]))
+        z = _box_muller(
+            sum(sizes[j] for j in members), seed=tf.stack([r, tf.constant(g, tf.int64)])
+        )
         if len(members) == 1:
             out.append(tf.reshape(z, shapes[members[0]]))
             continue
