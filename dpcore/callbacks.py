@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -121,6 +122,66 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
 def _current_noise(model: Any, default: float) -> float:
     state = _dp_state(model)
     return default if state is None else state.noise_multiplier
+
+
+def _noise_changes(model: Any) -> tuple[tuple[int, float], ...]:
+    state = _dp_state(model)
+    return () if state is None else tuple(state.noise_changes)
+
+
+def _sigma_segments(
+    start: int, end: int, sigma: float, changes: Sequence[tuple[int, float]]
+) -> list[tuple[int, float]]:
+    """``[(steps, σ)]`` covering logical steps ``start .. end - 1`` in order: step ``i`` ran with
+    the σ of the last change set when ``i`` or fewer steps had been applied (``sigma`` before
+    ``changes``, which are ``(dp_steps when set, σ)`` in the order they were made)."""
+    cuts = []
+    for k, value in changes:
+        if k <= start:
+            sigma = value
+        elif k < end:
+            cuts.append((k, value))
+    segments, position = [], start
+    for k, value in cuts:
+        if k > position:
+            segments.append((k - position, sigma))
+            position = k
+        sigma = value
+    if end > position:
+        segments.append((end - position, sigma))
+    return segments
+
+
+class _NoiseTracker:
+    """Follows the optimizer's σ log: which σ each newly applied step ran with."""
+
+    def __init__(self, model: Any, sigma: float) -> None:
+        self.model = model
+        self.sigma = sigma  # σ in effect after the changes already seen
+        self.seen = len(_noise_changes(model))
+
+    def changed(self) -> bool:
+        """Whether σ was set (or, for a source without a log, differs) since the last segments."""
+        return len(_noise_changes(self.model)) > self.seen or (
+            _current_noise(self.model, self.sigma) != self.sigma
+        )
+
+    def segments(self, start: int, end: int) -> list[tuple[int, float]]:
+        """Segments for steps ``start .. end - 1``; afterwards σ is the one now in effect."""
+        changes = _noise_changes(self.model)
+        new = changes[self.seen :]
+        current = _current_noise(self.model, self.sigma)
+        if new:
+            out = _sigma_segments(start, end, self.sigma, new)
+        elif current != self.sigma:
+            # A source that does not log its σ changes: the lower σ for the whole interval (the
+            # callbacks flush at every batch boundary where σ differs, so intervals are short).
+            out = [(end - start, min(current, self.sigma))] if end > start else []
+        else:
+            out = [(end - start, self.sigma)] if end > start else []
+        self.seen = len(changes)
+        self.sigma = current
+        return out
 
 
 def _sync_ledger(
@@ -240,7 +301,7 @@ class EpsilonCallback(keras.callbacks.Callback):
         self._synced = 0  # logical-step position already in the ledger
         self._done_batches = 0
         self._epoch_batches = 0
-        self._sigma = config.noise_multiplier
+        self._noise = _NoiseTracker(None, config.noise_multiplier)
 
     # --------------------------------------------------------------------------- steps
     def _position(self) -> int:
@@ -250,13 +311,11 @@ class EpsilonCallback(keras.callbacks.Callback):
         return (self._done_batches + self._epoch_batches) // self.config.accumulation_steps
 
     def flush(self) -> None:
-        """Records the steps run since the last flush with the σ and q in force."""
+        """Records the steps run since the last flush, each with the σ it ran with."""
         position = self._position()
-        if position > self._synced:
+        for steps, sigma in self._noise.segments(self._synced, position):
             self.ledger.record_steps(
-                position - self._synced,
-                noise_multiplier=self._sigma,
-                sampling_prob=self.config.sampling_prob,
+                steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
             )
         self._synced = max(self._synced, position)
 
@@ -269,11 +328,12 @@ class EpsilonCallback(keras.callbacks.Callback):
     # ----------------------------------------------------------------------- callbacks
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         check_feed_matches_sampling(self.model, self.config)
-        self._sigma = _current_noise(self.model, self.config.noise_multiplier)
+        sigma = _current_noise(self.model, self.config.noise_multiplier)
+        self._noise = _NoiseTracker(self.model, sigma)
         applied = _read_dp_steps(self.model)
         self._use_counter = applied is not None
         if applied is not None:
-            _sync_ledger(self.ledger, applied, self.config, self._sigma)
+            _sync_ledger(self.ledger, applied, self.config, sigma)
             self._synced = int(applied)
         else:
             self._synced = 0
@@ -289,13 +349,13 @@ class EpsilonCallback(keras.callbacks.Callback):
         self._epoch_batches = 0
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        sigma = _current_noise(self.model, self._sigma)
-        if sigma != self._sigma:  # a σ schedule changed it: close the old segment first
+        if self._noise.changed():
             self.flush()
-            self._sigma = sigma
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch_batches = int(batch) + 1
+        if self._noise.changed():
+            self.flush()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.flush()
@@ -347,10 +407,12 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
     """Stops training before a step would take ε past `target_epsilon`.
 
     Privacy:
-      The step limit is computed once, at train begin, from the same ledger events the run
-      reports (steps already spent included). Batches are counted conservatively (a batch
-      is at most one logical step), and the limit is re-synced with the optimizer's
-      `dp_steps` at every epoch start.
+      The guard keeps its own copy of the ledger the run reports (steps already spent
+      included), recording each applied step with the σ it ran with (the optimizer's σ log) and,
+      when each Keras epoch is a new pass over the data (`reshuffle_each_epoch`, as
+      `EpsilonCallback` counts it), closing the pass at every epoch end. Its step limit is
+      computed from that ledger at train begin and again at every epoch end and every σ change.
+      Batches are counted conservatively (a batch is at most one logical step).
     """
 
     def __init__(
@@ -363,6 +425,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         target_delta: float | None = None,
         verbose: int = 1,
         pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
+        reshuffle_each_epoch: bool = True,
     ) -> None:
         """Creates the guard.
 
@@ -374,6 +437,8 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
           target_delta: δ; default `config.target_delta`.
           verbose: 1 prints a line when it stops training.
           pld_discretization: PLD value discretization interval (coarser: faster).
+          reshuffle_each_epoch: shuffle only: each Keras epoch starts a new pass (as for
+            `EpsilonCallback`; Keras reshuffles arrays every epoch).
         """
         super().__init__()
         if not isinstance(config, DPConfig):
@@ -387,13 +452,17 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         self.ledger = ledger
         self.verbose = int(verbose)
         self.pld_discretization = pld_discretization
+        self.reshuffle_each_epoch = bool(reshuffle_each_epoch)
         self.max_steps: int | None = None  # total logical steps allowed (counter scale)
         self.stopped_at: int | None = None
         self._base = 0
         self._batches = 0
+        self._spent: PrivacyLedger | None = None
+        self._synced = 0
+        self._noise = _NoiseTracker(None, config.noise_multiplier)
 
     def remaining_steps(self, spent: PrivacyLedger) -> int:
-        """Further logical steps (at the config's σ and q) that keep ε <= target."""
+        """Further logical steps (at the σ now in force and the config's q) that keep ε <= target."""
         return calibration.calibrate_steps(
             target_epsilon=self.target_epsilon,
             target_delta=self.target_delta,
@@ -403,6 +472,28 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
             ledger=spent,
             pld_discretization=self.pld_discretization,
         )
+
+    def _steps_so_far(self) -> int:
+        applied = _read_dp_steps(self.model)
+        if applied is not None:
+            return int(applied)
+        return self._base + self._batches // self.config.accumulation_steps
+
+    def _recompute(self, *, end_epoch: bool) -> int:
+        """Records the steps applied since the last call in the guard's ledger (each with its σ),
+        closes the pass if asked, and sets the limit from it; returns the steps remaining."""
+        assert self._spent is not None
+        position = self._steps_so_far()
+        for steps, sigma in self._noise.segments(self._synced, position):
+            self._spent.record_steps(
+                steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
+            )
+        self._synced = max(self._synced, position)
+        if end_epoch:
+            self._spent.end_epoch()
+        remaining = self.remaining_steps(self._spent)
+        self.max_steps = self._synced + remaining
+        return remaining
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         check_feed_matches_sampling(self.model, self.config)
@@ -415,11 +506,12 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
                 noise_multiplier=sigma,
                 sampling_prob=self.config.sampling_prob,
             )
-        spent.end_epoch()
-        remaining = self.remaining_steps(spent)
+        self._spent = spent
+        self._noise = _NoiseTracker(self.model, sigma)
         self._base = int(applied) if applied is not None else 0
-        self.max_steps = self._base + remaining
+        self._synced = self._base
         self._batches = _read_pending_micro_steps(self.model)
+        remaining = self._recompute(end_epoch=True)  # a new fit starts a new pass over the data
         if remaining == 0:
             raise RuntimeError(
                 f"privacy budget exhausted: no further step keeps epsilon <= "
@@ -436,24 +528,46 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
             # them, or the step they complete would go unseen.
             self._batches = _read_pending_micro_steps(self.model)
 
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        # A Poisson ledger has no passes; a shuffled one starts a new pass with each Keras epoch.
+        if (
+            self._spent is None
+            or self.config.sampling != "shuffle"
+            or not self.reshuffle_each_epoch
+        ):
+            return
+        if self._recompute(end_epoch=True) == 0:
+            self._stop(self._synced)
+
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._batch_start = int(batch)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._batches += int(batch) - getattr(self, "_batch_start", int(batch)) + 1
-        acc = self.config.accumulation_steps
+        if self._spent is not None and self._noise.changed():
+            self._recompute(end_epoch=False)  # σ changed: the limit is for the new σ
         per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        done = self._base + self._batches // acc
-        after_next = self._base + (self._batches + per_execution) // acc
+        applied = _read_dp_steps(self.model)
+        if applied is not None:
+            # The optimizer's own count, and each next batch may complete a logical step
+            # (whatever accumulation the optimizer runs, which the config need not state).
+            done, after_next = int(applied), int(applied) + per_execution
+        else:
+            acc = self.config.accumulation_steps
+            done = self._base + self._batches // acc
+            after_next = self._base + (self._batches + per_execution) // acc
         if self.max_steps is not None and after_next > self.max_steps:
-            self.model.stop_training = True
-            self.stopped_at = done
-            if self.verbose:
-                print(
-                    f"\nPrivacyBudgetGuard: stopping after {done} logical steps; the next "
-                    f"would exceed epsilon={self.target_epsilon} at delta={self.target_delta} "
-                    f"(limit {self.max_steps} steps)."
-                )
+            self._stop(done)
+
+    def _stop(self, done: int) -> None:
+        self.model.stop_training = True
+        self.stopped_at = done
+        if self.verbose:
+            print(
+                f"\nPrivacyBudgetGuard: stopping after {done} logical steps; the next "
+                f"would exceed epsilon={self.target_epsilon} at delta={self.target_delta} "
+                f"(limit {self.max_steps} steps)."
+            )
 
 
 class SwapPolyakWeights(keras.callbacks.Callback):

@@ -167,12 +167,16 @@ class DPState:
       noise_multiplier: σ the next logical step will use (with adaptive clipping: the effective
         σ of gradient and count together, what the run is accounted with).
       l2_norm_clip: the bound(s) the next logical step clips to (adaptive clipping: current C).
+      noise_changes: every σ set through ``noise_multiplier`` in this process, in order, as
+        ``(dp_steps when set, σ)``: logical steps from that count on ran with that σ, whichever
+        callback set it and when. Empty for a source that does not log them.
     """
 
     dp_steps: int
     pending_micro_steps: int
     noise_multiplier: float
     l2_norm_clip: float | tuple[float, ...] | None = None
+    noise_changes: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +325,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # σ is state, read when the step runs: a schedule (set `noise_multiplier` between steps)
         # takes effect without retracing, and what the callbacks read is what ran.
         self._noise_multiplier = self._scalar_state("noise_multiplier", sigma)
+        # (dp_steps when set, σ) for every σ set through the setter: the callbacks account each
+        # step with the σ it ran with, whatever the order of the callbacks that set it.
+        self._noise_changes: tuple[tuple[int, float], ...] = ()
         self._accumulators: list[Any] = []
         self.adaptive_clip = adaptive_clip
         if adaptive_clip is not None:
@@ -353,6 +360,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             l2_norm_clip=self.l2_norm_clip
             if self.adaptive_clip is None
             else float(read(self._adaptive_clip_var)),
+            noise_changes=tuple(self._noise_changes),
         )
 
     def adaptive_logs(self) -> dict[str, tf.Tensor]:
@@ -381,8 +389,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Sets σ for the following logical steps (e.g. a schedule in a callback).
 
         Privacy:
-          Steps run with the σ in effect when they end; ``EpsilonCallback`` reads this value
-          after every batch, so its ledger records each σ as it ran.
+          Steps run with the σ in effect when they end. Each call is logged with the number of
+          steps applied so far (``dp_state.noise_changes``), from which ``EpsilonCallback`` and
+          ``PrivacyBudgetGuard`` account every step with the σ it ran with.
         """
         aggregation.check_privacy_args(
             l2_norm_clip=self.l2_norm_clip,
@@ -392,6 +401,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self.adaptive_clip is not None:
             self.adaptive_clip.gradient_noise_multiplier(float(value))
         self._noise_multiplier.assign(float(value))
+        applied = int(keras.ops.convert_to_numpy(self.dp_steps))
+        self._noise_changes = (
+            *self._noise_changes,
+            (applied, float(keras.ops.convert_to_numpy(self._noise_multiplier))),
+        )
 
     # ----------------------------------------------------------------------------- state
     def build(self, var_list: Sequence[Any]) -> None:

@@ -283,8 +283,10 @@ def test_sigma_schedule_with_a_dp_optimizer_is_recorded_as_it_ran():
 
 def test_guard_counts_micro_batches_carried_over_between_epochs():
     """accumulation_steps=2 with 3 micro-batches per epoch: the odd micro-batch of each epoch is
-    dropped (a step never spans two epochs); the guard must still stop before the budget's step
-    count is passed."""
+    dropped (a step never spans two epochs), so each Keras epoch applies one logical step. The
+    budget is one pass of the config (2 steps, one Gaussian), but every Keras epoch reshuffles
+    the arrays, so the second epoch's step starts a second pass, as EpsilonCallback counts it:
+    the guard stops after one step, where the reported epsilon is still within the target."""
     import dataclasses
 
     import dpcore
@@ -300,19 +302,136 @@ def test_guard_counts_micro_batches_carried_over_between_epochs():
         target_delta=1e-3,
         sampling="shuffle",  # what fit on arrays runs: fixed-size shuffled batches
     )
-    allowed = 2
-    target = dataclasses.replace(cfg, steps=allowed).epsilon()
+    target = dataclasses.replace(cfg, steps=cfg.steps_per_epoch).epsilon()  # one pass
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
     dp = dpcore.make_private(
         model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
     )
     guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
+    eps = EpsilonCallback(cfg)
     rng = np.random.default_rng(0)
     x, y = rng.random((n, 5), dtype=np.float32), rng.random((n, 1), dtype=np.float32)
-    dp.fit(x, y, batch_size=micro, epochs=10, verbose=0, callbacks=[guard])
-    assert guard.max_steps == allowed
-    assert int(dp.optimizer.dp_steps) == allowed
-    assert guard.stopped_at == allowed
+    dp.fit(x, y, batch_size=micro, epochs=10, verbose=0, callbacks=[guard, eps])
+    assert cfg.steps_per_epoch == 2
+    assert int(dp.optimizer.dp_steps) == 1 and guard.stopped_at == 1 and guard.max_steps == 1
+    assert eps.ledger.steps == 1 and eps.epsilon() <= target
+    one_more = eps.ledger.copy()
+    one_more.end_epoch()
+    one_more.record_steps(1, noise_multiplier=2.0, sampling_prob=cfg.sampling_prob)
+    assert one_more.epsilon(cfg.target_delta) > target
+
+
+def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
+    """Under shuffle accounting each Keras epoch over arrays is a new pass (one more Gaussian per
+    example). With epochs shorter than the config's pass (a validation split, or a larger fit
+    batch), the guard used to count several Keras epochs as one pass and ran to 3.14 against a
+    target of 2.05; it now stops where EpsilonCallback's epsilon is at most the target."""
+    import dataclasses
+
+    import dpcore
+
+    cfg = DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=2.0,
+        expected_batch_size=20,
+        num_examples=200,
+        steps=1000,
+        sampling="shuffle",
+        target_delta=1e-3,
+    )
+    target = dataclasses.replace(cfg, steps=cfg.steps_per_epoch * 2).epsilon()  # two passes
+    rng = np.random.default_rng(0)
+    x, y = rng.random((200, 5), dtype=np.float32), rng.random((200, 1), dtype=np.float32)
+    for kwargs in ({"batch_size": 20, "validation_split": 0.5}, {"batch_size": 40}):
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        dp = dpcore.make_private(
+            model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
+        )
+        guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
+        eps = EpsilonCallback(cfg)
+        dp.fit(x, y, epochs=50, verbose=0, callbacks=[guard, eps], **kwargs)
+        assert eps.ledger.epochs == 2 and int(dp.optimizer.dp_steps) == 10  # two short epochs
+        assert eps.epsilon() <= target
+        assert guard.stopped_at == 10
+
+
+def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
+    """The optimizer logs every σ it is given with the steps applied so far, and the callbacks
+    account each step with the σ it ran with, whatever the callbacks' order: a σ lowered for the
+    last step by a callback listed after EpsilonCallback was booked at the old σ (ε 0.64
+    reported against 10.30), and PrivacyBudgetGuard kept the step limit of the first σ."""
+    import dataclasses
+
+    import dp_accounting
+
+    import dpcore
+
+    n, b, steps = 200, 20, 20
+    cfg = DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=2.0,
+        expected_batch_size=b,
+        num_examples=n,
+        steps=steps,
+        target_delta=1e-3,
+    )
+    rng = np.random.default_rng(0)
+    x, y = rng.random((n, 5), dtype=np.float32), rng.random((n, 1), dtype=np.float32)
+
+    def make():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        return dpcore.make_private(
+            model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
+        )
+
+    class Schedule(keras.callbacks.Callback):
+        def __init__(self, dp, last):
+            super().__init__()
+            self.dp, self.last, self.ran = dp, last, []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.dp.optimizer.noise_multiplier = 2.0 if batch < self.last else 0.3
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ran.append(self.dp.optimizer.noise_multiplier)
+
+    dp = make()
+    schedule = Schedule(dp, steps - 1)
+    cb = EpsilonCallback(cfg)
+    data = dpcore.sampling.poisson_batches(
+        x, y, sampling_prob=cfg.sampling_prob, steps=steps, seed=1
+    )
+    dp.fit(data, epochs=1, verbose=0, callbacks=[cb, schedule])
+    assert schedule.ran == [2.0] * (steps - 1) + [0.3]
+    assert cb.ledger.segments == [
+        {"noise_multiplier": 2.0, "sampling_prob": cfg.sampling_prob, "steps": steps - 1},
+        {"noise_multiplier": 0.3, "sampling_prob": cfg.sampling_prob, "steps": 1},
+    ]
+    ran = dp_accounting.ComposedDpEvent(
+        [
+            acc.poisson_event(noise_multiplier=s, sampling_prob=cfg.sampling_prob, steps=1)
+            for s in schedule.ran
+        ]
+    )
+    np.testing.assert_allclose(cb.epsilon(), acc.compute_epsilon(ran, target_delta=1e-3), rtol=1e-9)
+
+    # The guard: σ 2.0 for the first epoch's 10 steps, then 1.0; its limit follows the new σ.
+    target = dataclasses.replace(cfg, steps=30).epsilon()
+    dp = make()
+
+    class Lower(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            dp.optimizer.noise_multiplier = 2.0 if epoch == 0 else 1.0
+
+    guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
+    cb = EpsilonCallback(cfg)
+    data = dpcore.sampling.poisson_batches(x, y, sampling_prob=cfg.sampling_prob, steps=10, seed=1)
+    dp.fit(data, epochs=50, verbose=0, callbacks=[Lower(), guard, cb])
+    assert cb.epsilon() <= target
+    assert int(dp.optimizer.dp_steps) == guard.stopped_at and guard.stopped_at < 30
+    one_more = cb.ledger.copy()
+    one_more.record_steps(1, noise_multiplier=1.0, sampling_prob=cfg.sampling_prob)
+    assert one_more.epsilon(cfg.target_delta) > target
 
 
 @pytest.mark.parametrize("callback", ["epsilon", "guard"])
@@ -348,3 +467,40 @@ def test_poisson_account_of_keras_batches_is_refused(callback):
         warnings.simplefilter("always")
         fresh.fit(shuffled, verbose=0, callbacks=[EpsilonCallback(_config(sampling="shuffle"))])
     assert not [w for w in caught if issubclass(w.category, (UserWarning, RuntimeWarning))]
+
+
+def test_guard_counts_the_optimizers_steps_not_the_configs_accumulation():
+    """The guard's in-epoch count divided batches by the config's accumulation_steps, which
+    nothing ties to the optimizer's: with a config saying 4 and an optimizer applying a step per
+    batch it allowed 11 steps against a limit of 2. It now reads the optimizer's step count."""
+    import dpcore
+
+    n, b, steps = 256, 16, 40
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.integers(0, 3, n).astype("int32")
+    opt = dpcore.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=b
+    )
+    dp = dpcore.make_private(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    cfg = DPConfig(
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=b,
+        num_examples=n,
+        steps=steps,
+        accumulation_steps=4,
+    )
+    target = 1.5
+    guard, eps = (
+        PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0),
+        EpsilonCallback(cfg),
+    )
+    data = dpcore.sampling.poisson_batches(x, y, sampling_prob=b / n, steps=steps, seed=1)
+    dp.fit(data, epochs=1, verbose=0, callbacks=[guard, eps])
+    assert int(opt.dp_steps.numpy()) == guard.stopped_at == cfg.max_steps(target)
+    assert eps.epsilon() <= target
