@@ -779,20 +779,24 @@ class DPOptimizer(keras.optimizers.Optimizer):
             seed=self.step_seed(),
             unit_noise=None if step_noise is None else step_noise.unit,
         )
-        if count is not None:
-            self._update_adaptive_clip(count)
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        # Every replica holds the same noised sum (same all-reduced input, same seed); the inner
-        # Keras optimizer all-reduces (sums) its gradients across replicas, so hand it 1/R each.
-        noised = [tf.cast(n / replicas, v.dtype) for n, v in zip(noised, variables)]
-        self.inner_optimizer.apply(noised, variables)
-        if accumulators is not None:
-            for a in accumulators:
-                a.assign(tf.zeros(a.shape, a.dtype))
-            self.micro_steps.assign(0)
-        self.dp_steps.assign_add(1)
-        if self._polyak_averages:
-            self._update_polyak()
+        # The noised sum exists only once σ (and σ_Δ) passed their checks: every state change of
+        # the step waits for it, so a step that fails them changes nothing (the count noise and
+        # C, the weights, the accumulators, dp_steps), rather than only leaving the weights put.
+        with tf.control_dependencies(noised):
+            if count is not None:
+                self._update_adaptive_clip(tf.identity(count))
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            # Every replica holds the same noised sum (same all-reduced input, same seed); the
+            # inner Keras optimizer all-reduces (sums) its gradients across replicas: 1/R each.
+            noised = [tf.cast(n / replicas, v.dtype) for n, v in zip(noised, variables)]
+            self.inner_optimizer.apply(noised, variables)
+            if accumulators is not None:
+                for a in accumulators:
+                    a.assign(tf.zeros(a.shape, a.dtype))
+                self.micro_steps.assign(0)
+            self.dp_steps.assign_add(1)
+            if self._polyak_averages:
+                self._update_polyak()
 
     def _update_polyak(self) -> None:
         """Adds the weights after this logical step to the uniform average, once the step is past

@@ -251,7 +251,9 @@ def test_a_restored_sigma_the_count_noise_cannot_carry_fails_the_step(tmp_path, 
     """σ restored from a checkpoint skips the setter's check. Restored into an optimizer whose
     count noise is too small for it (2 σ_b <= σ, or σ_b = 0 with σ > 0), the effective gradient
     noise multiplier is undefined; it used to come out NaN (or 0) and the step applied an update
-    without noise while the accounting counted σ. Now the step fails and the weights stay put."""
+    without noise while the accounting counted σ. Now the step fails and nothing of the
+    optimizer's state moves: not the weights, and not C, the released unclipped fraction or
+    dp_steps either (they used to move, releasing the count, un-noised with σ_b = 0)."""
     x = rng.normal(size=(8, 4)).astype("float32")
     model, opt = linear_model(), make_opt(lr=1.0, sigma=3.0, count_stddev=2.0, seed=5)
     step_fn(model, opt)(x)
@@ -264,9 +266,13 @@ def test_a_restored_sigma_the_count_noise_cannot_carry_fails_the_step(tmp_path, 
     tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
     assert fresh.noise_multiplier == 3.0
     before = fresh_model.trainable_variables[0].numpy().copy()
+    state = fresh.dp_state
+    fraction = float(fresh.adaptive_logs()["unclipped_fraction"])
     with pytest.raises(tf.errors.InvalidArgumentError, match="count_stddev|noise_multiplier"):
         step_fn(fresh_model, fresh)(x)
     np.testing.assert_array_equal(fresh_model.trainable_variables[0].numpy(), before)
+    assert fresh.dp_state == state
+    assert float(fresh.adaptive_logs()["unclipped_fraction"]) == fraction
 
 
 def test_fit_logs_the_bound_saves_it_and_accounts_the_effective_sigma(tmp_path, rng):
