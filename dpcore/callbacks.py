@@ -75,10 +75,10 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
 
     Raises:
       ValueError: for a ``SamplingSpec`` that disagrees with ``config`` (sampling mode, N, q,
-        batch size or privacy unit) or with the model's units (``group_size``), or for
-        ``config.sampling == "poisson"`` with arrays or with untagged ``(x, y, mask,
-        step_end)`` batches: the reported ε would assume a sampling that may not be the one
-        that ran.
+        batch size or privacy unit) or with the model's units (``group_size``); for
+        ``config.sampling == "poisson"`` with arrays or with any untagged dataset; for a
+        ``config.privacy_unit`` other than ``"example"`` with untagged data: the reported ε
+        would assume a sampling (or a clipping of units) that may not be the one that ran.
 
     Privacy:
       The ε reported for ``config`` holds only for data drawn as its DpEvent assumes.
@@ -91,7 +91,18 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
             spec.check_group_size(getattr(options, "group_size", 1))
         return
     feed = getattr(model, "data_feed", None)
-    if config.sampling != "poisson" or feed is None:
+    if feed is None:
+        return
+    if config.privacy_unit != "example":
+        raise ValueError(
+            f"the config accounts per {config.privacy_unit!r} (units of several rows), but fit was "
+            f"given {feed.replace('_', ' ')} that carry no dpcore.sampling.SamplingSpec, so "
+            "nothing says each unit's rows are clipped together (with one row per clip, a unit "
+            "of m rows moves the sum by m C while the noise is scaled to C). Feed "
+            "dpcore.units.unit_batches(...), which carries its spec, to a model with "
+            "ExecutionOptions(group_size=...) matching it."
+        )
+    if config.sampling != "poisson":
         return
     if feed == "arrays":
         raise ValueError(
@@ -109,13 +120,14 @@ def check_feed_matches_sampling(model: Any, config: DPConfig) -> None:
             "returned, or re-attach its spec after a per-element .map: "
             "dpcore.sampling.with_sampling_spec(mapped, dpcore.sampling.sampling_spec(ds))."
         )
-    warnings.warn(
-        "dpcore: the config accounts for Poisson sampling, but fit was given a dataset of "
-        "(x, y) batches, normally fixed-size ones; unless it samples every example independently "
-        "with probability sampling_prob each step, use dpcore.sampling.poisson_batches or "
-        "DPConfig(sampling='shuffle').",
-        RuntimeWarning,
-        stacklevel=3,
+    raise ValueError(
+        "the config accounts for Poisson sampling, but fit was given a dataset of (x, y) batches "
+        "that carries no dpcore.sampling.SamplingSpec, normally fixed-size batches: that epsilon "
+        "would be an assumption (for shuffled fixed-size batches the sound figure is several "
+        "times larger). Feed dpcore.sampling.poisson_batches(x, y, sampling_prob=..., steps=...), "
+        "tag a Poisson sampler of your own that yields (x, y, mask, step_end) batches with "
+        "dpcore.sampling.with_sampling_spec, or account for what runs with "
+        "DPConfig(sampling='shuffle')."
     )
 
 

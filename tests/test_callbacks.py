@@ -437,7 +437,9 @@ def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
 @pytest.mark.parametrize("callback", ["epsilon", "guard"])
 def test_poisson_account_of_keras_batches_is_refused(callback):
     """fit on arrays runs Keras's fixed-size shuffled batches: a Poisson epsilon for them would
-    be an assumption, so both privacy callbacks refuse it before the first step."""
+    be an assumption, so both privacy callbacks refuse it before the first step; the same for a
+    dataset of (x, y) batches that carries no SamplingSpec (it only warned, and reported the
+    Poisson figure: 3.31 where the sound one for its shuffled batches was 8.79)."""
     import dpcore
 
     cfg = _config()
@@ -453,8 +455,9 @@ def test_poisson_account_of_keras_batches_is_refused(callback):
         dp.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[cb])
     assert int(dp.optimizer.dp_steps) == 0  # refused before any step ran
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
-    with pytest.warns(RuntimeWarning, match="poisson_batches"):
+    with pytest.raises(ValueError, match="poisson_batches"):
         dp.fit(ds, epochs=1, verbose=0, callbacks=[cb])
+    assert int(dp.optimizer.dp_steps) == 0  # untagged (x, y) batches: refused too
     fresh = dpcore.make_private(
         keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
         optimizer="sgd",
@@ -504,3 +507,29 @@ def test_guard_counts_the_optimizers_steps_not_the_configs_accumulation():
     dp.fit(data, epochs=1, verbose=0, callbacks=[guard, eps])
     assert int(opt.dp_steps.numpy()) == guard.stopped_at == cfg.max_steps(target)
     assert eps.epsilon() <= target
+
+
+@pytest.mark.parametrize("sampling", ["shuffle", "poisson"])
+def test_a_per_user_account_of_untagged_rows_is_refused(sampling):
+    """A config per user (units of several rows) on data that carries no SamplingSpec: nothing
+    says a user's rows are clipped together, and with one row per clip a user of 4 rows moved
+    the update by 4 C while EpsilonCallback reported epsilon per user. Refused before any step,
+    on arrays and on a dataset alike."""
+    import dataclasses
+
+    import dpcore
+
+    cfg = dataclasses.replace(_config(sampling=sampling), privacy_unit="user")
+    x, y = _data()
+    for fit_args in ((x, y), (tf.data.Dataset.from_tensor_slices((x, y)).batch(B),)):
+        dp = dpcore.make_private(
+            keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+            optimizer="sgd",
+            loss="mse",
+            config=cfg,
+            seed=0,
+        )
+        kwargs = {"batch_size": B} if len(fit_args) == 2 else {}
+        with pytest.raises(ValueError, match="per 'user'"):
+            dp.fit(*fit_args, epochs=1, verbose=0, callbacks=[EpsilonCallback(cfg)], **kwargs)
+        assert int(dp.optimizer.dp_steps) == 0
