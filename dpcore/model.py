@@ -133,6 +133,21 @@ class _EndStepsAtEpochs(keras.callbacks.Callback):
         self._dp_model._end_open_step_at_epoch()
 
 
+class _CheckSamplerStart(keras.callbacks.Callback):
+    """Refuses, before the first step, a fixed-seed Poisson sampler that would replay earlier
+    steps' samples (``SamplingSpec.check_start_step``). Listed last, so that it sees the step
+    count after every callback that restores state (``StepBackup``) has run."""
+
+    def __init__(self, dp_model: DPModel, spec: sampling.SamplingSpec, passes: int | None) -> None:
+        super().__init__()
+        self._dp_model, self._spec, self._passes = dp_model, spec, passes
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        optimizer = getattr(self._dp_model, "optimizer", None)
+        if isinstance(optimizer, DPOptimizer) and not self._passes:  # its first pass
+            self._spec.check_start_step(optimizer.dp_state.dp_steps)
+
+
 @keras.saving.register_keras_serializable(package="dpcore")
 class DPModel(keras.Model):
     """A Keras model that trains its wrapped model with DP-SGD under ``fit``.
@@ -210,6 +225,7 @@ class DPModel(keras.Model):
         self.data_feed: str | None = None
         # The sampling the last fit's data carried (None: arrays, plain or untagged datasets).
         self.sampling_spec: sampling.SamplingSpec | None = None
+        self._sampler_passes: int | None = None
         self._whole_steps = False  # a train-function call runs whole logical steps
         self._per_example_loss: PerExampleLoss | None = None
         if model.built:  # the wrapper owns no variables of its own
@@ -254,6 +270,7 @@ class DPModel(keras.Model):
             return self._fit_workers(**arguments)
         x = arguments["x"]
         self.sampling_spec = sampling.sampling_spec(x)
+        self._sampler_passes = sampling.passes_started(x)
         masked = (
             isinstance(x, tf.data.Dataset) and sampling.as_sampled_batch(x.element_spec) is not None
         )
@@ -269,6 +286,11 @@ class DPModel(keras.Model):
         self.data_feed = "masked_batches" if masked else "dataset"
         if masked:
             self._start_pass_at_step_boundary()
+            if self.sampling_spec is not None:
+                arguments["callbacks"] = [
+                    *list(arguments.get("callbacks") or []),
+                    _CheckSamplerStart(self, self.sampling_spec, self._sampler_passes),
+                ]
             if int(x.cardinality()) >= 0:
                 # Its length counts chunks; Keras counts logical steps here (see
                 # make_train_function), so let the end of the data end the epoch.
@@ -502,12 +524,17 @@ class DPModel(keras.Model):
                 "(x, y, mask, step_end) dataset."
             )
         self.sampling_spec = sampling.sampling_spec(x)
+        self._sampler_passes = sampling.passes_started(x)
         self.data_feed = "masked_batches"
         self._start_pass_at_step_boundary()
         self._build_compiled_state(x)
         data = strategy.distribute_datasets_from_function(lambda _: x)
         verbose = 1 if verbose == "auto" else verbose
         assert self.sampling_spec is not None
+        callbacks = [
+            *list(callbacks or []),
+            _CheckSamplerStart(self, self.sampling_spec, self._sampler_passes),
+        ]
         callback_list = keras.callbacks.CallbackList(
             callbacks,
             add_history=True,

@@ -84,7 +84,10 @@ def test_sampler_datasets_carry_their_sampling():
         steps=3,
         padded_batch_size=6,
         start_step=2,
+        fixed_seed=True,
     )
+    unseeded = sampling.poisson_batches(x, y, sampling_prob=0.25, steps=3, padded_batch_size=6)
+    assert not sampling.sampling_spec(unseeded).fixed_seed
     spec = sampling.sampling_spec(sampling.shuffled_batches(x, y, batch_size=16, epochs=2))
     assert (spec.sampling, spec.expected_batch_size, spec.steps, spec.padded_batch_size) == (
         "shuffle",
@@ -374,3 +377,39 @@ def test_fixed_size_batches_never_carry_a_step_into_the_next_epoch():
         dp.fit(x, y, batch_size=micro, epochs=3, verbose=0, callbacks=[probe])
     assert pending == [0, 0, 0]  # every epoch starts at a step boundary
     assert int(dp.optimizer.dp_steps) == 3  # one whole step per epoch, the odd batch dropped
+
+
+def test_a_fixed_seed_sampler_must_start_at_the_optimizers_next_step():
+    """Two samplers built with one seed draw the same samples for the same step indices. A
+    second fit on a new sampler with that seed and start_step 0 reran the first fit's samples
+    under fresh noise, accounted as fresh Poisson steps (epsilon 2.13 reported where the
+    replayed samples cost 3.40). Refused before any step; start_step = dp_steps, or no seed,
+    runs."""
+    x, y = _data()
+    model = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Dense(1)])
+    dp = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=0.25 * N,
+        seed=0,
+    )
+
+    def batches(**kwargs):
+        return sampling.poisson_batches(x, y, sampling_prob=0.25, steps=2, **kwargs)
+
+    first = batches(seed=7)
+    assert [b.mask.numpy().tolist() for b in batches(seed=7)] == [
+        b.mask.numpy().tolist() for b in first
+    ]  # the same seed draws the same samples
+    dp.fit(first, epochs=1, verbose=0)
+    assert int(dp.optimizer.dp_steps) == 2
+    with pytest.raises(ValueError, match="start_step=2"):
+        dp.fit(batches(seed=7), epochs=1, verbose=0)
+    assert int(dp.optimizer.dp_steps) == 2
+    dp.fit(batches(seed=7, start_step=2), epochs=1, verbose=0)
+    dp.fit(batches(), epochs=1, verbose=0)
+    dp.fit(first, epochs=1, verbose=0)  # the same dataset again: a new pass, fresh samples
+    assert int(dp.optimizer.dp_steps) == 8
