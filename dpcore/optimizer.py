@@ -12,7 +12,9 @@ Contract:
 - Noise state is optimizer state: ``noise_seed`` (int64 ``[2]``, from OS entropy unless a fixed
   ``seed`` is given) and ``dp_steps`` (int64, logical steps applied). Step ``t`` draws its noise
   from ``fold_in(noise_seed, t)``, so a checkpoint restored into a fresh optimizer draws exactly the
-  noise the original would have drawn next and never one it already used. σ is state too (a
+  noise the original would have drawn next and never one it already used. Continuing one
+  checkpoint twice would draw the same noise twice: :meth:`DPOptimizer.fork_noise` re-keys a
+  continuation. σ is state too (a
   float64 variable read when the step runs): setting ``noise_multiplier`` between steps (a
   schedule) takes effect without retracing, is validated like the constructor argument, and is
   what a checkpoint restores and the callbacks record.
@@ -389,7 +391,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Sets σ for the following logical steps (e.g. a schedule in a callback).
 
         Privacy:
-          Steps run with the σ in effect when they end. Each call is logged with the number of
+          Steps run with the σ in effect when they end. Each change is logged with the number of
           steps applied so far (``dp_state.noise_changes``), from which ``EpsilonCallback`` and
           ``PrivacyBudgetGuard`` account every step with the σ it ran with.
         """
@@ -400,6 +402,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         )
         if self.adaptive_clip is not None:
             self.adaptive_clip.gradient_noise_multiplier(float(value))
+        if float(value) == self.noise_multiplier:
+            return  # nothing changes (a schedule may set the same σ every epoch)
         self._noise_multiplier.assign(float(value))
         applied = int(keras.ops.convert_to_numpy(self.dp_steps))
         self._noise_changes = (
@@ -554,6 +558,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return tf.random.experimental.stateless_fold_in(
             tf.convert_to_tensor(self.noise_seed), tf.convert_to_tensor(self.dp_steps)
         )
+
+    def fork_noise(self) -> None:
+        """Gives this optimizer a fresh noise stream (a new ``noise_seed`` from OS entropy).
+
+        A checkpoint holds the noise stream: an optimizer restored from it draws, at step ``t``,
+        exactly the noise the saved run would have drawn. That is what resuming one interrupted
+        run needs (``dpcore.backup.StepBackup``), and what must not happen when one checkpoint
+        is continued more than once (two fine-tunes from one saved model, a hyper-parameter
+        search, a rollback after its steps were released): two continuations would add the same
+        noise to different clipped sums, and their difference would be noise-free. Call this
+        after restoring, for every continuation but one.
+
+        Privacy:
+          Continuations of one checkpoint are separate releases on the same data: their ε
+          compose (each continuation's ledger counts only its own steps).
+        """
+        self.noise_seed.assign(tf.constant(_entropy_seed(), tf.int64))
 
     def discard_open_step(self) -> int:
         """Drops the micro-batches accumulated towards a logical step that has not ended.

@@ -455,6 +455,30 @@ def test_checkpoint_keeps_noise_state(tmp_path, build_first):
     np.testing.assert_allclose(np.std(draws[2]), 1.0 / 6, rtol=6 / math.sqrt(2 * draws[2].size))
 
 
+def test_fork_noise_gives_a_continuation_its_own_noise(tmp_path):
+    """Two continuations of one checkpoint draw the same noise at the same step (the difference
+    of their releases would be noise-free); fork_noise re-keys one of them: a new draw,
+    uncorrelated with the other continuation's, of the same scale."""
+    model = wide_model()
+    opt = make_opt(keras.optimizers.SGD(1.0), noise_multiplier=1.0)
+    noise_only_delta(opt, model)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    def continuation(fork):
+        m, o = wide_model(), make_opt(keras.optimizers.SGD(1.0), noise_multiplier=1.0)
+        o.build(m.trainable_variables)
+        tf.train.Checkpoint(model=m, optimizer=o).restore(path).assert_consumed()
+        if fork:
+            o.fork_noise()
+        assert int(o.dp_steps) == 1
+        return noise_only_delta(o, m)
+
+    first, second, forked = continuation(False), continuation(False), continuation(True)
+    np.testing.assert_array_equal(first, second)  # what fork_noise exists for
+    assert abs(np.corrcoef(first, forked)[0, 1]) < 6 / math.sqrt(first.size)
+    np.testing.assert_allclose(np.std(forked), np.std(first), rtol=6 / math.sqrt(2 * first.size))
+
+
 def test_noise_multiplier_schedule_takes_effect_without_retracing_and_is_checked():
     """σ is optimizer state read when the step runs: changing it between steps changes the
     noise of the following steps in an already compiled loop (what the callbacks record)."""
