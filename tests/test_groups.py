@@ -423,6 +423,46 @@ def test_views_are_averaged_then_clipped(rng):
         np.testing.assert_allclose(-g, w, rtol=RTOL, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "name, augment",
+    [
+        ("batch centring", lambda t: t - tf.reduce_mean(t, 0, keepdims=True)),
+        ("roll over the batch", lambda t: tf.roll(t, 3, axis=0)),
+        ("mixup with the reversed batch", lambda t: 0.8 * t + 0.2 * tf.reverse(t, [0])),
+    ],
+)
+def test_an_augment_fn_that_mixes_examples_is_refused(name, augment, rng):
+    """augment_fn makes the K views of each example from the repeated batch; one whose views of
+    an example depend on other examples' rows let one example move every other example's clipped
+    gradient (batch centring: the update moved by 4.6 C when one example was added). fit refuses
+    it before any step; functions of each row (and of the view index) pass."""
+    x, y = batch_for("mlp", 6, rng)
+    model = BUILDERS["mlp"]()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="augment_fn mixes examples"):
+        _fit_once(model, x, y, augmentations=3, augment_fn=augment)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def test_row_wise_augment_fns_pass_the_mixing_check():
+    from dpcore.model import check_augment_fn_rows
+
+    spec = tf.TensorSpec([None, 4, 4, 1], tf.float32)
+    k = 4
+    view = lambda t: tf.range(tf.shape(t)[0]) % k  # noqa: E731
+    for augment in (
+        lambda t: t,
+        lambda t: tf.image.flip_left_right(t),
+        lambda t: t * tf.cast(1 + view(t), t.dtype)[:, None, None, None],
+        lambda t: tf.nn.relu(t) + tf.random.normal(tf.shape(t)),
+        lambda t: tf.where(t > 0, t, 0.1 * t),
+    ):
+        check_augment_fn_rows(augment, spec, k)
+    with pytest.raises(ValueError, match="mixes examples"):
+        check_augment_fn_rows(lambda t: t - tf.reduce_mean(t, 0), spec, k)
+
+
 def test_augmentations_are_checked():
     from dpcore import DPModel
 
