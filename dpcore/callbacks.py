@@ -11,15 +11,19 @@ Contract:
     `ledger_path` is given.
   * For shuffled batches each Keras epoch is taken to start a fresh pass over the data
     (`reshuffle_each_epoch=True`), which can only over-count epochs, never under-count.
-  * `PrivacyBudgetGuard` computes once, at the start of training, how many more logical
-    steps keep ε <= target_epsilon (steps already spent included), then stops training
-    before a batch would go past that. If no step fits, it raises `RuntimeError`.
+  * `PrivacyBudgetGuard` computes, at the start of training and again whenever σ changes and
+    (shuffle) at every epoch end, how many more logical steps keep ε <= target_epsilon (steps
+    already spent included, each with the σ it ran with), then stops training before a batch
+    would go past that. If no step fits, it raises `RuntimeError`.
+  * Both take each step's σ from the optimizer's σ log (`DPState.noise_changes`), so a σ set
+    by any callback, in any order, is accounted as it ran.
   * Before the first step both check the sampling that runs against their `DPConfig`
     (`check_feed_matches_sampling`): data from `dpcore.sampling` carries a `SamplingSpec`, and
     a different sampling mode, N, q (Poisson) or batch size (shuffle) is refused with both
     values named. Without a spec, a Poisson config is refused for a `DPModel` fed with arrays
     (Keras's fixed-size shuffled batches) or with `(x, y, mask, step_end)` batches whose spec a
-    tf.data transformation dropped, and gets a warning for a dataset of plain `(x, y)` batches.
+    tf.data transformation dropped, or with a dataset of plain `(x, y)` batches; a config per
+    unit of several rows (`privacy_unit` other than "example") is refused for untagged data.
     ε is always computed from the steps applied (`dp_steps`), never from `config.steps`.
   * Both work with any Keras 3 model and optimizer; nothing here touches Keras internals.
   * `SwapPolyakWeights` evaluates (and predicts) with a `DPOptimizer`'s Polyak average of the

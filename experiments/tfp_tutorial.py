@@ -12,7 +12,7 @@ reads Debian's Fashion-MNIST when installed).
 Contract:
   * Flags live here only; `run_tutorial(...)` takes keyword arguments and returns the results
     dict (test accuracy, ε by PLD and RDP, logical steps, the `DPConfig`), for tests.
-  * One epoch is round(N / batch_size) logical Poisson steps, so on MNIST 60 epochs are the
+  * One epoch is ceil(N / batch_size) logical Poisson steps, so on MNIST 60 epochs are the
     tutorial's 14,400 steps. Every epoch draws fresh samples; ε is for the steps applied.
   * `--out` writes the results dict as JSON.
 
@@ -61,7 +61,7 @@ def run_tutorial(
     Args:
       dataset: one of `DATASETS` (`digits` ships with scikit-learn; the others are IDX files).
       data_dir: IDX directory for `fashion_mnist` / `mnist` (default: Debian's location).
-      epochs: passes over the data; one pass is round(N / batch_size) logical steps.
+      epochs: passes over the data; one pass is ceil(N / batch_size) logical steps.
       batch_size: expected logical batch size q · N.
       learning_rate: plain SGD learning rate (the tutorial's optimizer).
       noise_multiplier: σ.
@@ -140,7 +140,7 @@ def _define_flags() -> None:
     """Defines the flags (only when run as a program, so the module imports cleanly)."""
     flags.DEFINE_enum("dataset", "digits", DATASETS, "Dataset (digits ships with scikit-learn).")
     flags.DEFINE_string("data_dir", None, "IDX directory for fashion_mnist / mnist.")
-    flags.DEFINE_integer("epochs", 60, "Passes over the data (round(N / batch_size) steps each).")
+    flags.DEFINE_integer("epochs", 60, "Passes over the data (ceil(N / batch_size) steps each).")
     flags.DEFINE_integer("batch_size", 250, "Expected logical batch size.")
     flags.DEFINE_float("learning_rate", 0.15, "SGD learning rate.")
     flags.DEFINE_float("noise_multiplier", 1.1, "Noise multiplier σ.")

@@ -383,3 +383,19 @@ def test_two_replicas_noise_the_all_reduced_count_once():
     single, replicated, weight_error, steps = lines[0].split()[1:]
     assert float(single) != 1.0 and float(replicated) == pytest.approx(float(single), rel=1e-12)
     assert float(weight_error) < 1e-6 and steps == "2"
+
+
+def test_the_count_noise_comes_from_the_gradient_noise_sampler():
+    """The count release draws N(0, 1) from aggregation.standard_normal (support up to 9.42
+    standard deviations, PRIVACY.md "Noise support") on its own stream of the step seed,
+    fold_in(seed, int64(2^31 - 1)); tf.random.stateless_normal, used before, stops at 5.68."""
+    from dpcore import adaptive
+
+    for seed in ([5, 6], [-3, 2**40]):
+        seed = tf.constant(seed, tf.int64)
+        got = adaptive.noised_unclipped_fraction(
+            tf.constant(0.0), count_stddev=2.5, expected_batch_size=1.0, seed=seed
+        )
+        stream = tf.random.experimental.stateless_fold_in(seed, tf.constant(2**31 - 1, tf.int64))
+        z = aggregation.standard_normal([tf.zeros([])], seed=stream)[0]
+        assert float(got) - 0.5 == pytest.approx(2.5 * float(z), rel=1e-12, abs=1e-12)

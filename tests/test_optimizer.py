@@ -689,3 +689,30 @@ def test_two_replicas_sum_clipped_grads_and_add_noise_once():
     target = 1.0 * 1.0 / 4  # sigma * C / expected_batch_size: noise added once, not per replica
     assert abs(float(std) - target) < 4 * target / math.sqrt(2 * int(n))
     assert same == "True" and steps == "1"
+
+
+def test_a_step_whose_sigma_fails_its_check_changes_no_state():
+    """σ is a variable that a checkpoint restore assigns without the setter's check. A logical
+    step that ends with a σ that is not finite fails, and every state change of that step waits
+    for the checked noise: the weights, the accumulated micro-batch, dp_steps and the pending
+    count all stay as they were (before, only the weights were sure to)."""
+    model = wide_model()
+    opt = make_opt(noise_multiplier=1.0, accumulation_steps=2, seed=3)
+    opt.build(model.trainable_variables)
+    step = step_fn(model, opt)
+    x = np.random.default_rng(0).normal(size=(4, 100)).astype("float32")
+    y = np.zeros(4, "int32")
+    step(x, y)  # the first micro-batch: accumulated, nothing applied
+    state = opt.dp_state
+    assert state.pending_micro_steps == 1 and state.dp_steps == 0
+    before = weights(model)
+    accumulated = [a.numpy().copy() for a in opt._accumulators]
+    opt._noise_multiplier.assign(float("nan"))  # what restoring a corrupted checkpoint does
+    with pytest.raises(tf.errors.InvalidArgumentError, match="noise_multiplier"):
+        step(x, y)
+    for a, b in zip(weights(model), before):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(opt._accumulators, accumulated):
+        np.testing.assert_array_equal(a.numpy(), b)
+    after = opt.dp_state
+    assert (after.dp_steps, after.pending_micro_steps) == (0, 1)
