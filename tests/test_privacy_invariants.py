@@ -1094,10 +1094,12 @@ _FIT: list[Any] = []
 )
 def test_fit_applies_exactly_the_sampled_steps(seed, steps, epochs, start_step):
     """Poisson sampler with P = 6 for an expected 20 rows per step (2 to 5 chunks per step, a
-    different number per pass): fit(epochs=k) applies steps * k logical steps, none left open."""
+    different number per pass): fit(epochs=k) applies steps * k logical steps, none left open.
+    The model is shared across examples, so the fitted sampler starts at its dp_steps (a
+    fixed-seed sampler must: another start would replay an earlier sampler's steps)."""
     x, y = _data()
 
-    def sampler():
+    def sampler(start):
         return sampling.poisson_batches(
             x,
             y,
@@ -1105,17 +1107,17 @@ def test_fit_applies_exactly_the_sampled_steps(seed, steps, epochs, start_step):
             steps=steps,
             padded_batch_size=6,
             seed=seed,
-            start_step=start_step,
+            start_step=start,
         )
 
-    passes = [list(sampler().as_numpy_iterator())]
+    passes = [list(sampler(start_step).as_numpy_iterator())]
     ends = [int(sum(bool(e[3]) for e in p)) for p in passes]
     assert ends == [steps]  # a pass holds exactly `steps` logical steps, ending on a boundary
     if not _FIT:
         _FIT.append(_private(20.0))
     dp = _FIT[0]
     before = int(dp.optimizer.dp_steps)
-    dp.fit(sampler(), epochs=epochs, verbose=0)
+    dp.fit(sampler(before), epochs=epochs, verbose=0)
     assert int(dp.optimizer.dp_steps) - before == steps * epochs
     assert int(dp.optimizer.micro_steps) == 0
 
@@ -1234,3 +1236,142 @@ def test_the_custom_loop_stages_refuse_to_be_compiled_by_xla():
     for v, b in zip(model.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
     assert int(tf.function(apply)().numpy()) == 1
+
+
+def _moved_by_record_0(model, x, y, *, options=None, steps=1):
+    """The largest norm, over ``steps`` steps from the same weights, of the difference between
+    the update with record 0 and without it (σ = 0, SGD lr 1, divisor 1: the update is the
+    clipped sum). ``keras.utils.set_random_seed`` makes random layers repeat per call order."""
+    import dpcore
+
+    start = [v.numpy().copy() for v in model.trainable_variables]
+    opt = dpcore.DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=1
+    )
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y, mask):
+        return dpcore.dp_train_step(model, "mse", x, y, optimizer=opt, mask=mask, options=options)
+
+    def update(mask):
+        for v, s in zip(model.trainable_variables, start):
+            v.assign(s)
+        step(x, y, mask)
+        return np.concatenate(
+            [
+                (s - v.numpy()).astype(np.float64).ravel()
+                for s, v in zip(start, model.trainable_variables)
+            ]
+        )
+
+    full = np.ones(len(x), "float32")
+    less = full.copy()
+    less[0] = 0.0
+    worst = 0.0
+    for _ in range(steps):
+        worst = max(worst, float(np.linalg.norm(update(full) - update(less))))
+    return worst
+
+
+def test_a_layer_fed_a_transposed_batch_takes_the_vectorized_path():
+    """The rules (and the per-layer fallback) take a layer's leading axis as the batch. A Dense
+    applied to a transposed [T, B, D] tensor, or an EinsumDense whose output moves the batch
+    axis ('btd,de->tbe'), with T == B so that nothing fails: their clip factors fell on positions
+    (one record moved the clipped sum by 2.6 C and 1.9e9 C). A probe trace now finds the batch
+    off the first axis and sends the model to the vectorized path, which is exact."""
+    b = t = 4
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(b, t, 8)).astype("float32")
+    y = (rng.normal(size=(b, 1)) * 0.01).astype("float32")
+    x[0] *= 1e3
+    y[0] = 1e6
+
+    def transposed_dense():
+        inp = keras.Input((t, 8))
+        h = keras.ops.transpose(inp, (1, 0, 2))
+        h = keras.layers.Dense(8, use_bias=False)(h)
+        h = keras.layers.GlobalAveragePooling1D()(keras.ops.transpose(h, (1, 0, 2)))
+        return keras.Model(inp, keras.layers.Dense(1, use_bias=False)(h))
+
+    def batch_moving_einsum():
+        inp = keras.Input((t, 8))
+        h = keras.layers.EinsumDense("btd,de->tbe", output_shape=(None, 8))(inp)
+        h = keras.layers.GlobalAveragePooling1D()(keras.ops.transpose(h, (1, 0, 2)))
+        return keras.Model(inp, keras.layers.Dense(1, use_bias=False)(h))
+
+    for build in (transposed_dense, batch_moving_einsum):
+        keras.utils.set_random_seed(0)
+        model = build()
+        with pytest.warns(RuntimeWarning, match="first axis is not the batch"):
+            moved = _moved_by_record_0(model, x, y)
+        assert moved <= C * (1 + 1e-6), (build.__name__, moved)
+
+
+@pytest.mark.parametrize("path", ["chunked", "skip"])
+def test_a_second_pass_that_redraws_dropout_is_bounded_by_its_own_norms(path):
+    """The chunked vectorized path sums in a second pass, and nonfinite='skip' recomputes the
+    sum when a record is dropped; with training=True Dropout draws again there, so the factor
+    C / N1 met a gradient of norm N2 (8e8 C measured). The second pass's weights are now bounded
+    by its own certified norms."""
+    import dpcore
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16,))
+    h = keras.layers.Dropout(0.5)(inp)
+    model = keras.Model(inp, keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(h))
+    # No other real record: the difference is record 0's own contribution, whatever the draws.
+    if path == "chunked":
+        options = dpcore.ExecutionOptions(method="vectorized", chunk_size=1)
+        x = np.full((1, 16), 0.01, "float32")
+    else:
+        options = dpcore.ExecutionOptions(nonfinite="skip")
+        x = np.full((2, 16), 0.01, "float32")
+        x[1] = 3e38  # finite inputs, an infinite loss: dropped, and the sum recomputed
+    x[0, 0] = 1e4  # one large feature that Dropout keeps or drops
+    y = np.zeros((len(x), 1), "float32")
+    moved = _moved_by_record_0(model, x, y, options=options, steps=12)
+    assert moved <= C * (1 + 1e-6), moved
+
+
+def test_low_precision_variables_are_refused():
+    """A clipped sum held in bfloat16 (or float16) is rounded before the noise: one example moved
+    it by 1.033 C at batch 8, more as the sum grows. Such variables are refused; mixed-precision
+    policies (float32 variables) run."""
+    import dpcore
+
+    x, y = np.ones((4, 2), "float32"), np.zeros((4, 1), "float32")
+    for policy, refused in (("bfloat16", True), ("float16", True), ("mixed_bfloat16", False)):
+        with _policy(policy):
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        if refused:
+            with pytest.raises(ValueError, match="float32"):
+                dpcore.summarize(model, MSE, x, y)
+        else:
+            assert dpcore.summarize(model, MSE, x, y).sq_norms.shape == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: keras.layers.UnitNormalization(axis=0),
+        lambda: keras.layers.LayerNormalization(axis=0, center=False, scale=False),
+        lambda: keras.layers.Softmax(axis=0),
+        lambda: keras.layers.UnitNormalization(axis=-2),  # -2 is the batch axis of [B, D]
+    ],
+    ids=["unit_norm", "layer_norm", "softmax", "negative_axis"],
+)
+def test_built_in_layers_set_to_reduce_over_the_batch_are_refused(layer):
+    """UnitNormalization(axis=0) let one example move the update by 5.7 C on the fast path;
+    built-in layers configured to reduce over axis 0 are refused by the validator like
+    BatchNormalization, through every entry point that trains."""
+    import dpcore
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, keras.layers.Dense(1)(layer()(inp)))
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 1), "float32")
+    with pytest.raises(ValueError, match="batch axis"):
+        dpcore.summarize(model, MSE, x, y)
+    assert not dpcore.validation.find_batch_mixing_layers(
+        keras.Sequential([keras.Input((4,)), keras.layers.UnitNormalization(axis=-1)])
+    )

@@ -29,6 +29,7 @@ Everything is plain TensorFlow, traceable once inside the caller's compiled step
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -130,6 +131,83 @@ def _outside_use_reason(variable: Any, reader: str) -> str:
 
 class _OutsideUse(Exception):
     """A wanted variable was read by a call that does not own it (seen while tracing)."""
+
+
+# The probe batch size of batch_axis_reason: odd and larger than any dimension a model is
+# likely to have, so that a tensor's batch axis is the one axis of this size.
+_PROBE_ROWS = 1_000_003
+_BATCH_AXIS_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def batch_axis_reason(model: Any, x: Any, variables: Sequence[Any], *, training: Any) -> str | None:
+    """Why a layer's rule could not hold rows first (None when every one can).
+
+    The per-layer rules and the per-layer fallback take a captured input or output's leading
+    axis as the batch: a Functional model that hands a layer a transposed tensor (``[T, B, D]``)
+    or an EinsumDense whose output moves the batch axis would have its clip factors applied to
+    positions (with ``T == B`` nothing fails, and one record moved the clipped sum by 2.6 C, or
+    1.9e9 C through an EinsumDense ``'btd,de->tbe'``). The model is traced once (nothing runs)
+    on inputs whose batch size is :data:`_PROBE_ROWS`; every tensor going into or out of a layer
+    that owns a differentiated variable must have that size on its first axis and on no other.
+    Cached per model, input signature and variables.
+
+    Privacy:
+      A layer whose tensors do not hold one example per leading row sends the whole model to the
+      vectorized path, which computes each example's gradient from that example alone.
+    """
+    leaves = tf.nest.flatten(x)
+    key = (
+        tuple((tuple(tf.TensorShape(t.shape).as_list()[1:]), t.dtype.name) for t in leaves),
+        bool(training) if isinstance(training, bool) else None,
+        tuple(id(v) for v in variables),
+    )
+    cache = _BATCH_AXIS_CACHE.setdefault(model, {})
+    if key in cache:
+        return cache[key]
+    wanted = {id(v) for v in variables}
+    static = {d for t in leaves for d in tf.TensorShape(t.shape).as_list()[1:] if d is not None}
+    static |= {d for v in variables for d in v.shape}
+    rows = _PROBE_ROWS
+    while rows in static:
+        rows += 2
+    problems: list[str] = []
+
+    def layer_fn(layer: Any, args: tuple, kwargs: dict) -> Any:
+        outputs = layer(*args, **kwargs)
+        if any(id(v) in wanted for v in graph.trainable_weights(layer)):
+            first = [t for t in tf.nest.flatten(args) if tf.is_tensor(t)][:1]
+            checked = [
+                ("input", t, any(t is f for f in first)) for t in tf.nest.flatten((args, kwargs))
+            ]
+            checked += [("output", t, True) for t in tf.nest.flatten(outputs)]
+            for role, t, batched in checked:
+                if not tf.is_tensor(t) or t.shape.rank is None:
+                    continue
+                dims = t.shape.as_list()
+                if rows not in dims and not batched:
+                    continue  # a tensor without examples (e.g. a constant passed in)
+                if not dims or dims[0] != rows or rows in dims[1:]:
+                    shown = ["B" if d == rows else d for d in dims]
+                    problems.append(
+                        f"layer {layer.name!r} has an {role} whose first axis is not the batch "
+                        f"(shape {shown}, B the batch)"
+                    )
+        return outputs
+
+    def trace(*flat: tf.Tensor) -> tf.Tensor:
+        graph.run(
+            model, tf.nest.pack_sequence_as(x, list(flat)), training=training, layer_fn=layer_fn
+        )
+        return tf.zeros([])
+
+    specs = [tf.TensorSpec([rows, *tf.TensorShape(t.shape).as_list()[1:]], t.dtype) for t in leaves]
+    try:
+        tf.function(trace, autograph=False).get_concrete_function(*specs)
+    except Exception as e:  # noqa: BLE001 - a model that cannot be traced so is not verified
+        problems.append(f"its layers' batch axes could not be verified ({type(e).__name__}: {e})")
+    reason = problems[0] if problems else None
+    cache[key] = reason
+    return reason
 
 
 def supports(model: Any) -> bool:
@@ -332,7 +410,9 @@ def fast_summary(
         )
 
     registry = options.layer_rules()
-    reason = fallback_reason(model, variables, registry)
+    reason = fallback_reason(model, variables, registry) or batch_axis_reason(
+        model, x, variables, training=training
+    )
     if reason is not None:
         return whole_model_fallback(reason)
     wanted = {id(v) for v in variables}

@@ -344,11 +344,13 @@ def drop_nonfinite(
             # zeroed inputs) surfaces as a non-finite sum, which the optimizer refuses before any
             # update. The default path thus pays no branch.
             return list(summary.weighted_sum(weights))
-        return tf.cond(
-            any_bad,
-            lambda: list(recompute(ok).weighted_sum(weights)),
-            lambda: list(summary.weighted_sum(weights)),
-        )
+
+        def again() -> list[tf.Tensor]:
+            second = recompute(ok)  # a new forward pass: its own norms bound its own sums
+            first = tf.where(ok[:, None], sq, tf.zeros_like(sq))  # dropped rows: 0, as returned
+            return list(second.weighted_sum(second_pass_weights(weights, first, second.sq_norms)))
+
+        return tf.cond(any_bad, again, lambda: list(summary.weighted_sum(weights)))
 
     keep = ok[:, None]
     input_gradients = summary.input_gradients
@@ -369,6 +371,32 @@ def drop_nonfinite(
     )
 
 
+def second_pass_weights(weights: tf.Tensor, sq_first: tf.Tensor, sq_second: tf.Tensor) -> tf.Tensor:
+    """Clip weights for a clipped sum formed in a second pass over the batch.
+
+    ``weights [B, V]`` were set from the first pass's certified squared norms ``sq_first [B, V]``;
+    a second pass (the chunked vectorized path's sums, the non-finite recompute) may compute
+    other gradients: random layers (Dropout) draw again, and reductions may round otherwise. Each
+    weight is scaled by ``min(1, sqrt(sq_first / sq_second))``, ``sq_second`` the second pass's
+    certified squared norms, rounded toward zero to float32, so that every example's contribution
+    per variable is at most what the first pass bounded. A weight of 0 stays 0; a NaN
+    ``sq_second`` under a non-zero weight gives a NaN weight (the sum is then not finite, and the
+    optimizer refuses it).
+
+    Privacy:
+      Without it, Dropout redrawn in the second pass let one example's contribution reach 8e8 C:
+      the factor ``C / N1`` was applied to a gradient of norm ``N2``.
+    """
+    sq1 = tf.cast(sq_first, tf.float64)
+    sq2 = tf.cast(sq_second, tf.float64)
+    ratio = tf.where(sq2 <= sq1, tf.ones_like(sq2), tf.sqrt(sq1 / sq2) * (1.0 - 2.0**-50))
+    w = tf.cast(weights, tf.float64)
+    # A weight of 0 (padding, a dropped record, whose first-pass norm may be NaN) stays 0.
+    w = tf.where(tf.equal(w, 0.0), w, w * ratio)
+    w32 = tf.cast(w, tf.float32)
+    return tf.where(tf.cast(w32, tf.float64) > w, tf.math.nextafter(w32, tf.zeros_like(w32)), w32)
+
+
 def check_variables(variables: Sequence[Any]) -> tuple[Any, ...]:
     """Rejects an empty variable list with a clear message."""
     variables = tuple(variables)
@@ -376,5 +404,17 @@ def check_variables(variables: Sequence[Any]) -> tuple[Any, ...]:
         raise ValueError(
             "the model has no trainable variables (or variables=[] was passed): there is "
             "nothing to privatize."
+        )
+    low = [v for v in variables if tf.as_dtype(v.dtype) not in (tf.float32, tf.float64)]
+    if low:
+        # The clipped sum would be rounded to the variables' precision before the noise: one
+        # example then moves it by C plus an ulp of the whole sum (1.033 C in bfloat16 at batch 8,
+        # growing with the sum), beyond the sensitivity the noise is scaled to.
+        raise ValueError(
+            f"variable {low[0].path!r} is {tf.as_dtype(low[0].dtype).name}: dpcore needs float32 "
+            "(or float64) trainable variables, because a clipped sum held in lower precision "
+            "exceeds its sensitivity C by the rounding of the sum. Use a mixed-precision policy "
+            "instead (keras.mixed_precision.set_dtype_policy('mixed_bfloat16') or "
+            "'mixed_float16'): float32 variables, low-precision compute."
         )
     return variables

@@ -26,6 +26,7 @@ from dpcore import norms
 from dpcore.engine.summary import (
     GradientSummary,
     from_units,
+    second_pass_weights,
     to_units,
     unit_mask,
     weighted_loss,
@@ -271,12 +272,15 @@ def _chunked_summary(
 
     def weighted_sum(clip_weights: tf.Tensor) -> list[tf.Tensor]:
         cw = _pad_to_chunks(clip_weights, chunk_size)
+        sq_chunks = _pad_to_chunks(sq, chunk_size)
         acc = [tf.zeros(v.shape, tf.float32) for v in variables]
 
         def body(k: tf.Tensor, acc: list[tf.Tensor]) -> tuple[tf.Tensor, list[tf.Tensor]]:
             elems = tf.nest.map_structure(lambda t: t[k], chunks)
             grads, _, _, _ = _map(fn, elems, model)
-            return k + 1, [a + s for a, s in zip(acc, _weighted(grads, cw[k]))]
+            # A second forward pass (random layers draw again): weights bounded by its own norms.
+            w = second_pass_weights(cw[k], sq_chunks[k], _flat_sq_norms(grads))
+            return k + 1, [a + s for a, s in zip(acc, _weighted(grads, w))]
 
         _, acc = tf.while_loop(
             lambda k, acc: k < tf.shape(cw)[0], body, [tf.constant(0), acc], parallel_iterations=1

@@ -215,9 +215,18 @@ def _einsum_check(layer: Any) -> str | None:
     if "..." in w_spec:
         return f"EinsumDense equation {layer.equation!r} has an ellipsis in the kernel spec"
     if x_spec.startswith("..."):
-        pass
+        if not out.startswith("..."):
+            return (
+                f"EinsumDense equation {layer.equation!r}: the batch axes ('...') are not first "
+                "in the output"
+            )
     elif x_spec[:1] in w_spec or x_spec[:1] not in out:
         return f"EinsumDense equation {layer.equation!r}: first input axis is not a batch axis"
+    elif out[:1] != x_spec[:1]:
+        # The clipped sum weights output-gradient rows by example, so the batch axis must lead
+        # the output too: with 'btd,de->tbe' the weights fell on positions (T == B ran, and one
+        # record moved the sum by 1.9e9 C).
+        return f"EinsumDense equation {layer.equation!r}: the batch axis is not first in the output"
     if set(w_spec) - set(x_spec) - set(out):
         return f"EinsumDense equation {layer.equation!r} sums over a kernel-only axis"
     if getattr(layer, "lora_enabled", False):
