@@ -93,7 +93,7 @@ class AdaptiveClip:
             _finite_at_least("count_stddev", self.count_stddev, 0.0, strict=False),
         )
 
-    def gradient_noise_multiplier(self, noise_multiplier: float) -> float:
+    def gradient_noise_multiplier(self, *, noise_multiplier: float) -> float:
         """σ_Δ for a run accounted with ``noise_multiplier`` (see :func:`gradient_noise_multiplier`)."""
         return gradient_noise_multiplier(
             noise_multiplier=noise_multiplier, count_stddev=self.count_stddev
@@ -214,7 +214,7 @@ def noised_unclipped_fraction(
 
 
 def updated_clip(
-    l2_norm_clip: Any, unclipped_fraction: Any, *, target_quantile: float, learning_rate: float
+    *, l2_norm_clip: Any, unclipped_fraction: Any, target_quantile: float, learning_rate: float
 ) -> tf.Tensor:
     """The geometric update ``C exp(-η (b̃ - γ))``, kept in the positive normal float32 range.
 

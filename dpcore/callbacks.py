@@ -214,7 +214,9 @@ def _sync_ledger(
             UserWarning,
             stacklevel=3,
         )
-        ledger.record_steps(missing, noise_multiplier=sigma, sampling_prob=config.sampling_prob)
+        ledger.record_steps(
+            steps=missing, noise_multiplier=sigma, sampling_prob=config.sampling_prob
+        )
 
 
 def _scalar_summary(name: str, value: float, *, step: int) -> None:
@@ -331,14 +333,16 @@ class EpsilonCallback(keras.callbacks.Callback):
         position = self._position()
         for steps, sigma in self._noise.segments(self._synced, position):
             self.ledger.record_steps(
-                steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
+                steps=steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
             )
         self._synced = max(self._synced, position)
 
     def epsilon(self) -> float:
         """ε of the ledger so far (after a `flush`)."""
         return self.ledger.epsilon(
-            self.target_delta, self.accountant, pld_discretization=self.pld_discretization
+            target_delta=self.target_delta,
+            accountant=self.accountant,
+            pld_discretization=self.pld_discretization,
         )
 
     # ----------------------------------------------------------------------- callbacks
@@ -382,11 +386,13 @@ class EpsilonCallback(keras.callbacks.Callback):
         record: dict[str, float] = {"epoch": float(epoch), "steps": float(self.ledger.steps)}
         record["epsilon"] = self.epsilon()
         if self.also_rdp:
-            record["epsilon_rdp"] = self.ledger.epsilon(self.target_delta, "rdp")
+            record["epsilon_rdp"] = self.ledger.epsilon(
+                target_delta=self.target_delta, accountant="rdp"
+            )
         if self.report_poisson_assumption and self.config.sampling == "shuffle":
             record["epsilon_assuming_poisson"] = self.ledger.epsilon(
-                self.target_delta,
-                self.accountant,
+                target_delta=self.target_delta,
+                accountant=self.accountant,
                 assume_poisson=True,
                 pld_discretization=self.pld_discretization,
             )
@@ -502,7 +508,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         position = self._steps_so_far()
         for steps, sigma in self._noise.segments(self._synced, position):
             self._spent.record_steps(
-                steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
+                steps=steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
             )
         self._synced = max(self._synced, position)
         if end_epoch:
@@ -518,7 +524,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         sigma = _current_noise(self.model, self.config.noise_multiplier)
         if applied is not None and applied > spent.steps:
             spent.record_steps(
-                applied - spent.steps,
+                steps=applied - spent.steps,
                 noise_multiplier=sigma,
                 sampling_prob=self.config.sampling_prob,
             )
@@ -533,7 +539,7 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
                 f"privacy budget exhausted: no further step keeps epsilon <= "
                 f"target_epsilon={self.target_epsilon} at delta={self.target_delta} "
                 f"(spent: {spent.steps} steps, epsilon "
-                f"{spent.epsilon(self.target_delta, self.accountant):.4g})."
+                f"{spent.epsilon(target_delta=self.target_delta, accountant=self.accountant):.4g})."
             )
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

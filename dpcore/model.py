@@ -401,7 +401,9 @@ class DPModel(keras.Model):
         if not isinstance(optimizer, DPOptimizer):
             return  # not compiled: Keras says so
         if self.sampling_spec is not None:
-            self.sampling_spec.check_expected_batch_size(optimizer.expected_batch_size)
+            self.sampling_spec.check_expected_batch_size(
+                expected_batch_size=optimizer.expected_batch_size
+            )
             self.sampling_spec.check_group_size(self.options.group_size)
         elif self.options.group_size > 1:
             raise ValueError(

@@ -155,7 +155,7 @@ def _check_adaptive(config: Any, l2_norm_clip: Any, noise_multiplier: float) -> 
             f"adaptive_clip needs one finite initial l2_norm_clip, got {l2_norm_clip!r} "
             "(per-group bounds are not adapted)."
         )
-    config.gradient_noise_multiplier(float(noise_multiplier))
+    config.gradient_noise_multiplier(noise_multiplier=float(noise_multiplier))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +401,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             expected_batch_size=self.expected_batch_size,
         )
         if self.adaptive_clip is not None:
-            self.adaptive_clip.gradient_noise_multiplier(float(value))
+            self.adaptive_clip.gradient_noise_multiplier(noise_multiplier=float(value))
         if float(value) == self.noise_multiplier:
             return  # nothing changes (a schedule may set the same σ every epoch)
         self._noise_multiplier.assign(float(value))
@@ -848,8 +848,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._unclipped_fraction.assign(fraction)
         self._adaptive_clip_var.assign(
             adaptive.updated_clip(
-                self._adaptive_clip_var.value,
-                fraction,
+                l2_norm_clip=self._adaptive_clip_var.value,
+                unclipped_fraction=fraction,
                 target_quantile=config.target_quantile,
                 learning_rate=config.learning_rate,
             )

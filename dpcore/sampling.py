@@ -161,6 +161,7 @@ def binomial_tail_bound(threshold: int, num_examples: int, sampling_prob: float)
 
 def padded_batch_size_for(
     num_examples: int,
+    *,
     sampling_prob: float,
     failure_prob: float = DEFAULT_FAILURE_PROB,
 ) -> int:
@@ -338,7 +339,7 @@ class SamplingSpec:
             f"num_examples={self.num_examples}"
         )
 
-    def check_expected_batch_size(self, expected_batch_size: float) -> None:
+    def check_expected_batch_size(self, *, expected_batch_size: float) -> None:
         """Refuses an optimizer whose divisor is not this sampling's expected batch size.
 
         Raises:
@@ -654,7 +655,11 @@ def _check_poisson_args(sampling_prob: float, steps: int, start_step: int) -> fl
 
 
 def _padded_size(n: int, q: float, padded_batch_size: int | None) -> int:
-    p = padded_batch_size_for(n, q) if padded_batch_size is None else int(padded_batch_size)
+    p = (
+        padded_batch_size_for(n, sampling_prob=q)
+        if padded_batch_size is None
+        else int(padded_batch_size)
+    )
     if p < 1:
         raise ValueError(f"padded_batch_size must be >= 1, got {padded_batch_size}.")
     return p
@@ -694,8 +699,9 @@ def poisson_batches(
       y: labels, same convention as `x`.
       sampling_prob: per-example inclusion probability q in (0, 1].
       steps: number of logical steps to emit (>= 0).
-      padded_batch_size: rows per element P; default `padded_batch_size_for(N, q)`, the
-        smallest P whose per-step overflow probability is below 1e-12.
+      padded_batch_size: rows per element P; default
+        `padded_batch_size_for(N, sampling_prob=q)`, the smallest P whose per-step overflow
+        probability is below 1e-12.
       seed: non-negative integer seed for reproducible runs (tests, debugging). None (the
         default) draws the seed from OS entropy, which is what a private run should use.
       start_step: index of the first step; a resumed run passes the number of steps already
@@ -724,14 +730,14 @@ def poisson_batches(
         indices = tf.where(_step_coins(key, step, n, q))[:, 0]
         return _chunked(xs, ys, indices, p)
 
-    spec = poisson_spec(n, q, steps=steps, padded_batch_size=p, start_step=start)
+    spec = poisson_spec(n, sampling_prob=q, steps=steps, padded_batch_size=p, start_step=start)
     return _poisson_pipeline(step_sample, seed=seed, spec=spec)
 
 
 def poisson_spec(
     num_examples: int,
-    sampling_prob: float,
     *,
+    sampling_prob: float,
     steps: int,
     padded_batch_size: int,
     start_step: int = 0,
@@ -840,8 +846,9 @@ def sharded_poisson_batches(
       seed: the seed every worker passes: required for W > 1 (the workers must draw the same
         coins); draw it per run with `dpcore.distribute.shared_seed(strategy)`, which is
         OS entropy broadcast from the chief. None only for W = 1 (OS entropy).
-      padded_batch_size: rows per element; default `padded_batch_size_for(ceil(N / W), q)`
-        (the largest shard's overflow probability per step below 1e-12).
+      padded_batch_size: rows per element; default
+        `padded_batch_size_for(ceil(N / W), sampling_prob=q)` (the largest shard's overflow
+        probability per step below 1e-12).
       start_step: index of the first step (resumed runs), as in `poisson_batches`.
 
     Returns:
@@ -883,7 +890,7 @@ def sharded_poisson_batches(
 
     spec = poisson_spec(
         n,
-        q,
+        sampling_prob=q,
         steps=steps,
         padded_batch_size=p,
         start_step=start_step,

@@ -17,10 +17,10 @@ Contract:
     ``[u*K, (u+1)*K)`` are slot u. A sampled unit with m <= K rows fills the first m rows of
     its slot; the other rows of the slot, and empty slots, are zeros with mask 0. Shapes are
     static, so a compiled step traces once.
-  * U_pad defaults to `padded_batch_size_for(U, q)`: the binomial tail bound over units, so a
-    step's sample overflows one element with probability below 1e-12. A larger sample (or a
-    smaller `padded_units`, to bound memory) becomes several chunks of the same step, cut
-    between units: a unit is never split across two micro-batches of a step, so each
+  * U_pad defaults to `padded_batch_size_for(U, sampling_prob=q)`: the binomial tail bound over
+    units, so a step's sample overflows one element with probability below 1e-12. A larger
+    sample (or a smaller `padded_units`, to bound memory) becomes several chunks of the same
+    step, cut between units: a unit is never split across two micro-batches of a step, so each
     micro-batch clips whole units and the step's sum has sensitivity C per unit.
   * The dataset carries a `SamplingSpec` whose `num_examples`, `sampling_prob` and
     `expected_batch_size` count units, `padded_batch_size` rows, with `group_size=K` and
@@ -166,8 +166,9 @@ def unit_batches(
       sampling_prob: per-unit inclusion probability q in (0, 1].
       steps: logical steps to emit (>= 0).
       max_rows_per_unit: K, the cap and the rows of one slot (``group_size`` of the model).
-      padded_units: unit slots per element U_pad; default `padded_batch_size_for(U, q)`. A
-        smaller value bounds memory: a step then runs as several micro-batches of whole units.
+      padded_units: unit slots per element U_pad; default
+        `padded_batch_size_for(U, sampling_prob=q)`. A smaller value bounds memory: a step then
+        runs as several micro-batches of whole units.
       seed: non-negative integer for reproducible sampling (tests); None (default) draws it
         from OS entropy, which is what a private run should use.
       start_step: index of the first step (a resumed run passes the steps already taken).
@@ -238,7 +239,7 @@ def unit_batches(
 
     spec = sampling.poisson_spec(
         num_units,
-        q,
+        sampling_prob=q,
         steps=steps,
         padded_batch_size=rows,
         start_step=start_step,

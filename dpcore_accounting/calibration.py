@@ -298,7 +298,7 @@ def calibrate_steps(
 
     def make_event(k: int) -> dp_accounting.DpEvent:
         trial = base.copy()
-        trial.record_steps(int(k), noise_multiplier=sigma, sampling_prob=q)
+        trial.record_steps(steps=int(k), noise_multiplier=sigma, sampling_prob=q)
         return trial.dp_event()
 
     hint = None
@@ -319,8 +319,8 @@ def calibrate_steps(
     # k further steps = `fill` (the rest of the open epoch) + m whole epochs.
     if _epsilon(make_event(1), fresh, delta) > eps:
         return 0
-    fill = base.steps_left_in_epoch(q)
-    spe = base.steps_per_epoch(q)
+    fill = base.steps_left_in_epoch(sampling_prob=q)
+    spe = base.steps_per_epoch(sampling_prob=q)
     if fill >= cap:
         return cap
     m = _largest_count(

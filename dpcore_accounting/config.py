@@ -115,7 +115,7 @@ class DPConfig:
         unit = self.privacy_unit
         if not isinstance(unit, str) or not unit.strip():
             raise ValueError(f"privacy_unit must be a non-empty string, got {unit!r}.")
-        warn_if_delta_too_large(self.target_delta, self.num_examples)
+        warn_if_delta_too_large(target_delta=self.target_delta, num_examples=self.num_examples)
 
     # ------------------------------------------------------------------------ derived
     @property
@@ -193,7 +193,7 @@ class DPConfig:
         )
 
     def delta(
-        self, target_epsilon: float, accountant: str = "pld", *, assume_poisson: bool = False
+        self, *, target_epsilon: float, accountant: str = "pld", assume_poisson: bool = False
     ) -> float:
         """δ of the whole run at ε = `target_epsilon`.
 
@@ -213,7 +213,7 @@ class DPConfig:
             num_examples=self.num_examples, sampling=self.sampling, neighboring=self.neighboring
         )
 
-    def max_steps(self, target_epsilon: float, accountant: str = "pld") -> int:
+    def max_steps(self, *, target_epsilon: float, accountant: str = "pld") -> int:
         """The most logical steps (at this σ and q) whose ε stays <= `target_epsilon`.
 
         Privacy:

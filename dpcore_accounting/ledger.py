@@ -1,8 +1,8 @@
 """A privacy ledger: the DP steps a run actually took, as DpEvents, serializable.
 
 Contract:
-  * `PrivacyLedger.record_steps(n, noise_multiplier=σ, sampling_prob=q)` appends n logical
-    steps (noise added once each) run with σ and q. σ and q may change between calls
+  * `PrivacyLedger.record_steps(steps=n, noise_multiplier=σ, sampling_prob=q)` appends n
+    logical steps (noise added once each) run with σ and q. σ and q may change between calls
     (schedules, a different batch size after a restart); consecutive equal settings merge.
   * Poisson sampling: the ledger's event composes one
     `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), n)` per segment, so a
@@ -35,7 +35,7 @@ __all__ = ["PrivacyLedger", "warn_if_delta_too_large"]
 _FORMAT = "dpcore.PrivacyLedger/1"
 
 
-def warn_if_delta_too_large(target_delta: float, num_examples: int) -> None:
+def warn_if_delta_too_large(*, target_delta: float, num_examples: int) -> None:
     """Warns when δ >= 1/N: such a δ permits releasing an example outright."""
     if num_examples >= 1 and target_delta >= 1.0 / num_examples:
         warnings.warn(
@@ -75,7 +75,7 @@ class PrivacyLedger:
 
     Example:
       ledger = PrivacyLedger(num_examples=60000, sampling="poisson")
-      ledger.record_steps(234, noise_multiplier=1.1, sampling_prob=256 / 60000)
+      ledger.record_steps(steps=234, noise_multiplier=1.1, sampling_prob=256 / 60000)
       ledger.epsilon(target_delta=1e-5)
 
     Privacy:
@@ -119,7 +119,7 @@ class PrivacyLedger:
         """Shuffle mode: epochs touched so far (each one a Gaussian mechanism); else 0."""
         return len(self._epochs)
 
-    def record_steps(self, steps: int, *, noise_multiplier: float, sampling_prob: float) -> None:
+    def record_steps(self, *, steps: int, noise_multiplier: float, sampling_prob: float) -> None:
         """Appends `steps` logical steps run with noise multiplier σ and sampling rate q.
 
         Args:
@@ -155,7 +155,7 @@ class PrivacyLedger:
         return int(b)
 
     def _record_shuffle(self, steps: int, sigma: float, q: float) -> None:
-        spe = self.steps_per_epoch(q)
+        spe = self.steps_per_epoch(sampling_prob=q)
         remaining = steps
         while remaining > 0:
             cur = self._epochs[-1] if self._epochs else None
@@ -169,19 +169,19 @@ class PrivacyLedger:
             cur.noise_multiplier = min(cur.noise_multiplier, sigma)
             remaining -= take
 
-    def steps_per_epoch(self, sampling_prob: float) -> int:
+    def steps_per_epoch(self, *, sampling_prob: float) -> int:
         """Shuffle mode: steps in one pass at batch size q · N, i.e. ceil(N / B)."""
         q = ev.check_sampling_prob(sampling_prob)
         return ev.shuffle_steps_per_epoch(
             num_examples=self.num_examples, batch_size=self._batch_size(q)
         )
 
-    def steps_left_in_epoch(self, sampling_prob: float) -> int:
+    def steps_left_in_epoch(self, *, sampling_prob: float) -> int:
         """Shuffle mode: further steps at rate q that stay inside the open epoch (else 0)."""
         if self.sampling != "shuffle" or not self._epochs:
             return 0
         cur = self._epochs[-1]
-        spe = self.steps_per_epoch(sampling_prob)
+        spe = self.steps_per_epoch(sampling_prob=sampling_prob)
         if cur.full or cur.steps_per_epoch != spe:
             return 0
         return spe - cur.steps
@@ -244,9 +244,9 @@ class PrivacyLedger:
 
     def epsilon(
         self,
+        *,
         target_delta: float,
         accountant: str = "pld",
-        *,
         assume_poisson: bool = False,
         pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
     ) -> float:
@@ -256,7 +256,7 @@ class PrivacyLedger:
           Warns when δ >= 1/N. `assume_poisson=True` (shuffle only) is an assumption.
         """
         delta = ev.check_delta(target_delta)
-        warn_if_delta_too_large(delta, self.num_examples)
+        warn_if_delta_too_large(target_delta=delta, num_examples=self.num_examples)
         if not self._segments:
             return 0.0
         return ev.compute_epsilon(
@@ -269,9 +269,9 @@ class PrivacyLedger:
 
     def delta(
         self,
+        *,
         target_epsilon: float,
         accountant: str = "pld",
-        *,
         assume_poisson: bool = False,
         pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
     ) -> float:

@@ -349,8 +349,8 @@ def privacy_report(settings: TrainSettings, ledger: Any) -> dict[str, Any]:
         report.update(epsilon=0.0, epsilon_pld=0.0, epsilon_rdp=0.0, dp_event=None)
         return report
     report["dp_event"] = str(ledger.dp_event())
-    report["epsilon_pld"] = float(ledger.epsilon(delta, "pld"))
-    report["epsilon_rdp"] = float(ledger.epsilon(delta, "rdp"))
+    report["epsilon_pld"] = float(ledger.epsilon(target_delta=delta, accountant="pld"))
+    report["epsilon_rdp"] = float(ledger.epsilon(target_delta=delta, accountant="rdp"))
     report["epsilon"] = report["epsilon_pld"]
     report["accounting"] = (
         "Poisson subsampled Gaussian (PoissonSampledDpEvent)"

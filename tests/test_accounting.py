@@ -310,7 +310,7 @@ def test_steps_calibration_shuffle_stops_at_an_epoch_boundary():
 
 def test_steps_calibration_counts_what_a_ledger_already_spent():
     ledger = acc.PrivacyLedger(num_examples=1000)
-    ledger.record_steps(100, noise_multiplier=1.2, sampling_prob=0.02)
+    ledger.record_steps(steps=100, noise_multiplier=1.2, sampling_prob=0.02)
     kw = dict(
         target_epsilon=1.5,
         target_delta=1e-5,
@@ -330,19 +330,19 @@ def test_single_segment_ledger_is_the_config_event():
         l2_norm_clip=1.0, noise_multiplier=1.1, expected_batch_size=20, num_examples=1000, steps=150
     )
     ledger = cfg.new_ledger()
-    ledger.record_steps(100, noise_multiplier=1.1, sampling_prob=cfg.sampling_prob)
-    ledger.record_steps(50, noise_multiplier=1.1, sampling_prob=cfg.sampling_prob)
+    ledger.record_steps(steps=100, noise_multiplier=1.1, sampling_prob=cfg.sampling_prob)
+    ledger.record_steps(steps=50, noise_multiplier=1.1, sampling_prob=cfg.sampling_prob)
     assert ledger.steps == 150 and len(ledger.segments) == 1
     assert ledger.dp_event() == cfg.dp_event()
-    assert ledger.epsilon(1e-5, "rdp") == cfg.epsilon("rdp")
+    assert ledger.epsilon(target_delta=1e-5, accountant="rdp") == cfg.epsilon("rdp")
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_ledger_with_sigma_and_batch_changes_equals_the_composed_event(accountant):
     ledger = acc.PrivacyLedger(num_examples=1000)
-    ledger.record_steps(40, noise_multiplier=1.0, sampling_prob=0.02)
-    ledger.record_steps(30, noise_multiplier=2.0, sampling_prob=0.02)
-    ledger.record_steps(20, noise_multiplier=2.0, sampling_prob=0.05)
+    ledger.record_steps(steps=40, noise_multiplier=1.0, sampling_prob=0.02)
+    ledger.record_steps(steps=30, noise_multiplier=2.0, sampling_prob=0.02)
+    ledger.record_steps(steps=20, noise_multiplier=2.0, sampling_prob=0.05)
     expected = dp_accounting.ComposedDpEvent(
         [
             acc.poisson_event(noise_multiplier=1.0, sampling_prob=0.02, steps=40),
@@ -351,46 +351,52 @@ def test_ledger_with_sigma_and_batch_changes_equals_the_composed_event(accountan
         ]
     )
     assert ledger.dp_event() == expected
-    got = ledger.epsilon(1e-5, accountant, pld_discretization=FAST)
+    got = ledger.epsilon(target_delta=1e-5, accountant=accountant, pld_discretization=FAST)
     assert got == _direct(expected, accountant, 1e-5)
 
 
 def test_ledger_json_round_trip_and_resume_give_the_same_epsilon():
     full = acc.PrivacyLedger(num_examples=1000)
-    full.record_steps(60, noise_multiplier=1.0, sampling_prob=0.02)
-    full.record_steps(40, noise_multiplier=1.5, sampling_prob=0.02)
+    full.record_steps(steps=60, noise_multiplier=1.0, sampling_prob=0.02)
+    full.record_steps(steps=40, noise_multiplier=1.5, sampling_prob=0.02)
 
     first = acc.PrivacyLedger(num_examples=1000)
-    first.record_steps(60, noise_multiplier=1.0, sampling_prob=0.02)
+    first.record_steps(steps=60, noise_multiplier=1.0, sampling_prob=0.02)
     restored = acc.PrivacyLedger.from_json(first.to_json())
     assert restored == first
-    assert restored.epsilon(1e-5, "rdp") == first.epsilon(1e-5, "rdp")
-    restored.record_steps(40, noise_multiplier=1.5, sampling_prob=0.02)
+    assert restored.epsilon(target_delta=1e-5, accountant="rdp") == first.epsilon(
+        target_delta=1e-5, accountant="rdp"
+    )
+    restored.record_steps(steps=40, noise_multiplier=1.5, sampling_prob=0.02)
     assert restored.dp_event() == full.dp_event()
-    assert restored.epsilon(1e-5, pld_discretization=FAST) == full.epsilon(
-        1e-5, pld_discretization=FAST
+    assert restored.epsilon(target_delta=1e-5, pld_discretization=FAST) == full.epsilon(
+        target_delta=1e-5, pld_discretization=FAST
     )
 
 
 def test_shuffle_ledger_groups_steps_into_epochs_conservatively():
     ledger = acc.PrivacyLedger(num_examples=40, sampling="shuffle")
-    ledger.record_steps(10, noise_multiplier=3.0, sampling_prob=0.25)  # B=10, 4 steps/epoch
+    ledger.record_steps(steps=10, noise_multiplier=3.0, sampling_prob=0.25)  # B=10, 4 steps/epoch
     assert ledger.epochs == 3  # 4 + 4 + 2
     ledger.end_epoch()  # the pipeline reshuffles: the partial epoch is closed
-    ledger.record_steps(1, noise_multiplier=3.0, sampling_prob=0.25)
+    ledger.record_steps(steps=1, noise_multiplier=3.0, sampling_prob=0.25)
     assert ledger.epochs == 4
-    ledger.record_steps(1, noise_multiplier=2.0, sampling_prob=0.25)  # lower σ in epoch 4
+    ledger.record_steps(steps=1, noise_multiplier=2.0, sampling_prob=0.25)  # lower σ in epoch 4
     assert ledger.dp_event() == dp_accounting.ComposedDpEvent(
         [
             dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(3.0), 3),
             dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 1),
         ]
     )
-    ledger.record_steps(1, noise_multiplier=2.0, sampling_prob=0.5)  # B=20: new epoch
+    ledger.record_steps(steps=1, noise_multiplier=2.0, sampling_prob=0.5)  # B=20: new epoch
     assert ledger.epochs == 5
     restored = acc.PrivacyLedger.from_json(ledger.to_json())
     assert restored.dp_event() == ledger.dp_event()
-    assert restored.steps_left_in_epoch(0.5) == ledger.steps_left_in_epoch(0.5) == 1
+    assert (
+        restored.steps_left_in_epoch(sampling_prob=0.5)
+        == ledger.steps_left_in_epoch(sampling_prob=0.5)
+        == 1
+    )
     # the Poisson figure is available only on request, from the same steps
     assert ledger.dp_event(assume_poisson=True) == dp_accounting.ComposedDpEvent(
         [
@@ -404,19 +410,19 @@ def test_shuffle_ledger_groups_steps_into_epochs_conservatively():
 def test_ledger_rejects_bad_records_and_warns_on_large_delta():
     ledger = acc.PrivacyLedger(num_examples=100)
     with pytest.raises(ValueError, match=r"steps.*-1"):
-        ledger.record_steps(-1, noise_multiplier=1.0, sampling_prob=0.1)
+        ledger.record_steps(steps=-1, noise_multiplier=1.0, sampling_prob=0.1)
     with pytest.raises(ValueError, match=r"sampling_prob.*1\.2"):
-        ledger.record_steps(1, noise_multiplier=1.0, sampling_prob=1.2)
+        ledger.record_steps(steps=1, noise_multiplier=1.0, sampling_prob=1.2)
     shuffle = acc.PrivacyLedger(num_examples=100, sampling="shuffle")
     with pytest.raises(ValueError, match=r"whole batch size"):
-        shuffle.record_steps(1, noise_multiplier=1.0, sampling_prob=0.123)
-    assert ledger.epsilon(1e-5) == 0.0
-    ledger.record_steps(5, noise_multiplier=1.0, sampling_prob=0.1)
+        shuffle.record_steps(steps=1, noise_multiplier=1.0, sampling_prob=0.123)
+    assert ledger.epsilon(target_delta=1e-5) == 0.0
+    ledger.record_steps(steps=5, noise_multiplier=1.0, sampling_prob=0.1)
     with pytest.warns(UserWarning, match=r"1/num_examples"):
-        ledger.epsilon(0.02, "rdp")
+        ledger.epsilon(target_delta=0.02, accountant="rdp")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ledger.epsilon(1e-5, "rdp")
+        ledger.epsilon(target_delta=1e-5, accountant="rdp")
     with pytest.raises(ValueError, match="ledger"):
         acc.PrivacyLedger.from_json('{"format": "other"}')
 

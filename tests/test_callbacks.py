@@ -106,7 +106,7 @@ def test_epsilon_in_logs_history_tensorboard_and_ledger_file(tmp_path):
     # The ledger file restores to the same ε, and a resumed fit continues it.
     saved = json.loads((tmp_path / "ledger.json").read_text())
     restored = acc.PrivacyLedger.from_dict(saved["ledger"])
-    assert restored.epsilon(1e-3, pld_discretization=FAST) == eps[-1]
+    assert restored.epsilon(target_delta=1e-3, pld_discretization=FAST) == eps[-1]
     assert DPConfig.from_dict(saved["config"]) == cfg
     resumed = EpsilonCallback(cfg, ledger=restored, pld_discretization=FAST)
     more = _model().fit(x, y, batch_size=B, epochs=1, callbacks=[resumed], verbose=0)
@@ -188,7 +188,7 @@ def test_budget_guard_counts_spent_steps_and_refuses_an_exhausted_budget():
     x, y = _data()
     cfg = _config(noise_multiplier=4.0)
     spent = cfg.new_ledger()
-    spent.record_steps(10, noise_multiplier=4.0, sampling_prob=B / N)
+    spent.record_steps(steps=10, noise_multiplier=4.0, sampling_prob=B / N)
     guard = PrivacyBudgetGuard(
         target_epsilon=1.2, config=cfg, ledger=spent, accountant="rdp", verbose=0
     )
@@ -205,7 +205,7 @@ def test_budget_guard_counts_spent_steps_and_refuses_an_exhausted_budget():
     assert int(opt.iterations.numpy()) == fresh - 10
     assert spent.steps == 10  # the guard does not modify the caller's ledger
 
-    spent.record_steps(10_000, noise_multiplier=4.0, sampling_prob=B / N)
+    spent.record_steps(steps=10_000, noise_multiplier=4.0, sampling_prob=B / N)
     guard = PrivacyBudgetGuard(
         target_epsilon=1.2, config=cfg, ledger=spent, accountant="rdp", verbose=0
     )
@@ -317,8 +317,8 @@ def test_guard_counts_micro_batches_carried_over_between_epochs():
     assert eps.ledger.steps == 1 and eps.epsilon() <= target
     one_more = eps.ledger.copy()
     one_more.end_epoch()
-    one_more.record_steps(1, noise_multiplier=2.0, sampling_prob=cfg.sampling_prob)
-    assert one_more.epsilon(cfg.target_delta) > target
+    one_more.record_steps(steps=1, noise_multiplier=2.0, sampling_prob=cfg.sampling_prob)
+    assert one_more.epsilon(target_delta=cfg.target_delta) > target
 
 
 def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
@@ -430,8 +430,8 @@ def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
     assert cb.epsilon() <= target
     assert int(dp.optimizer.dp_steps) == guard.stopped_at and guard.stopped_at < 30
     one_more = cb.ledger.copy()
-    one_more.record_steps(1, noise_multiplier=1.0, sampling_prob=cfg.sampling_prob)
-    assert one_more.epsilon(cfg.target_delta) > target
+    one_more.record_steps(steps=1, noise_multiplier=1.0, sampling_prob=cfg.sampling_prob)
+    assert one_more.epsilon(target_delta=cfg.target_delta) > target
 
 
 @pytest.mark.parametrize("callback", ["epsilon", "guard"])
@@ -505,7 +505,7 @@ def test_guard_counts_the_optimizers_steps_not_the_configs_accumulation():
     )
     data = dpcore.sampling.poisson_batches(x, y, sampling_prob=b / n, steps=steps, seed=1)
     dp.fit(data, epochs=1, verbose=0, callbacks=[guard, eps])
-    assert int(opt.dp_steps.numpy()) == guard.stopped_at == cfg.max_steps(target)
+    assert int(opt.dp_steps.numpy()) == guard.stopped_at == cfg.max_steps(target_epsilon=target)
     assert eps.epsilon() <= target
 
 

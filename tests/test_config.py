@@ -145,7 +145,7 @@ def test_calibrated_config_never_exceeds_the_target():
 
 def test_max_steps_is_the_budget_edge():
     cfg = DPConfig(**{**BASE, "expected_batch_size": 100, "num_examples": 5000, "steps": 1})
-    n = cfg.max_steps(1.0, "rdp")
+    n = cfg.max_steps(target_epsilon=1.0, accountant="rdp")
     assert dataclasses.replace(cfg, steps=n).epsilon("rdp") <= 1.0
     assert dataclasses.replace(cfg, steps=n + 1).epsilon("rdp") > 1.0
 

@@ -38,11 +38,12 @@ def test_dpcore_accounting_computes_epsilon_without_tensorflow():
         config = acc.DPConfig(l2_norm_clip=1.0, noise_multiplier=1.1,
                               expected_batch_size=256, num_examples=60000, steps=1000)
         ledger = config.new_ledger()
-        ledger.record_steps(1000, noise_multiplier=1.1, sampling_prob=config.sampling_prob)
+        ledger.record_steps(steps=1000, noise_multiplier=1.1, sampling_prob=config.sampling_prob)
         sigma = acc.calibrate_noise_multiplier(
             target_epsilon=1.0, target_delta=1e-5, sampling_prob=config.sampling_prob,
             steps=1000, accountant="rdp")
-        print(config.epsilon("pld"), config.epsilon("rdp"), ledger.epsilon(1e-5), sigma)
+        eps = ledger.epsilon(target_delta=1e-5)
+        print(config.epsilon("pld"), config.epsilon("rdp"), eps, sigma)
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras", "dpcore"})
         print("loaded:", loaded)
         """

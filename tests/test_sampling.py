@@ -57,7 +57,7 @@ def _exact_tails(n: int, q: float) -> list[float]:
 @pytest.mark.parametrize("n,q", [(500, 0.05), (1000, 0.2), (300, 0.5), (50, 0.01)])
 def test_padded_size_is_smallest_safe_size_against_exact_tail(n, q):
     failure = 1e-12
-    p = sampling.padded_batch_size_for(n, q, failure_prob=failure)
+    p = sampling.padded_batch_size_for(n, sampling_prob=q, failure_prob=failure)
     assert 1 <= p <= n
     tails = _exact_tails(n, q)
     assert tails[p] <= failure
@@ -74,14 +74,14 @@ def test_tail_bound_is_an_upper_bound():
 
 
 def test_padded_size_edge_cases():
-    assert sampling.padded_batch_size_for(100, 1.0) == 100
-    assert sampling.padded_batch_size_for(10, 1e-9) == 1
-    p = sampling.padded_batch_size_for(60000, 2048 / 60000)
+    assert sampling.padded_batch_size_for(100, sampling_prob=1.0) == 100
+    assert sampling.padded_batch_size_for(10, sampling_prob=1e-9) == 1
+    p = sampling.padded_batch_size_for(60000, sampling_prob=2048 / 60000)
     assert 2048 < p < 2048 + 8 * math.sqrt(2048)
     with pytest.raises(ValueError):
-        sampling.padded_batch_size_for(100, 0.0)
+        sampling.padded_batch_size_for(100, sampling_prob=0.0)
     with pytest.raises(ValueError):
-        sampling.padded_batch_size_for(0, 0.1)
+        sampling.padded_batch_size_for(0, sampling_prob=0.1)
 
 
 def test_element_spec_is_static():
@@ -164,7 +164,7 @@ def test_empty_batch_is_a_valid_step():
     assert len(elems) == 20
     for xb, yb, mask, end in elems:
         assert bool(end)
-        assert mask.shape == (sampling.padded_batch_size_for(10, 1e-9),)
+        assert mask.shape == (sampling.padded_batch_size_for(10, sampling_prob=1e-9),)
         np.testing.assert_array_equal(mask.numpy(), 0.0)
         np.testing.assert_array_equal(xb["a"].numpy(), 0.0)
         np.testing.assert_array_equal(yb.numpy(), 0)

@@ -90,8 +90,8 @@ def test_spec_is_global_and_per_worker():
     spec = sampling.sampling_spec(ds)
     assert spec.num_examples == 50 and spec.expected_batch_size == pytest.approx(5.0)
     assert spec.num_workers == 2 and spec.worker_index == 1 and spec.steps == 4
-    assert spec.padded_batch_size == sampling.padded_batch_size_for(25, 0.1)
-    spec.check_expected_batch_size(5.0)
+    assert spec.padded_batch_size == sampling.padded_batch_size_for(25, sampling_prob=0.1)
+    spec.check_expected_batch_size(expected_batch_size=5.0)
     spec.check_workers(2, 1)
     with pytest.raises(ValueError, match="own shard"):
         spec.check_workers(2, 0)

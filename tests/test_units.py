@@ -137,7 +137,7 @@ def test_layout_and_whole_units_across_overflow_chunks(rng):
     default = units.unit_batches(
         x, y, unit_ids=ids, sampling_prob=0.25, steps=1, max_rows_per_unit=K
     )
-    slots = sampling.padded_batch_size_for(12, 0.25)
+    slots = sampling.padded_batch_size_for(12, sampling_prob=0.25)
     assert sampling.sampling_spec(default).padded_batch_size == slots * K
 
 
