@@ -91,6 +91,12 @@ class ClippedSum:
 
     ``l2_sensitivity`` is a scalar float64 tensor when the bound is (adaptive clipping reads it from
     the optimizer's ``l2_norm_clip`` variable).
+
+    Privacy:
+      ``grads`` has L2 sensitivity ``l2_sensitivity`` (add or remove one example) but is not
+      private until :func:`privatize` noises it once, unrescaled; ``unclipped_count`` needs its
+      own noise too. The other fields (norms, factors, losses, the realized
+      ``num_examples``) are raw per-example data: never release them or normalize by them.
     """
 
     grads: tuple[tf.Tensor, ...]
@@ -274,6 +280,11 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
     Returns:
       One float32 tensor per input. The draw depends on ``seed`` and the shapes only, never on
       data, so a step may make it before its forward pass.
+
+    Privacy:
+      This is the Gaussian mechanism's noise, a function of ``seed``: the seed must be secret
+      and fresh for every logical step, since a reused seed repeats the draw and the difference
+      of the two releases is then noise-free.
     """
     seed = tf.cast(seed, tf.int64)
     shapes = [tf.TensorShape(t.shape) for t in like]
@@ -377,6 +388,11 @@ def gaussian_noise(
       ValueError: if ``unit`` does not have one tensor of each input's static shape, in order (a
         draw for other variables would leave a variable without noise, or broadcast one noise
         value over many coordinates).
+
+    Privacy:
+      Data-independent: scaled :func:`standard_normal` values, with that stream's needs (a
+      secret seed, fresh per logical step). Only the shapes of a pre-drawn ``unit`` are checked;
+      it must be the draw for this ``seed``, and ``stddev`` must be σ times the sensitivity.
     """
     if unit is None:
         unit = standard_normal(like, seed=seed)

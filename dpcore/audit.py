@@ -189,7 +189,12 @@ def random_label_canaries(
 
 # ------------------------------------------------------------------------------- scores
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Per-example cross-entropy `[m]` of `logits` `[m, classes]` at integer `labels` `[m]`."""
+    """Per-example cross-entropy `[m]` of `logits` `[m, classes]` at integer `labels` `[m]`.
+
+    Privacy:
+      Entry ``i`` depends on row ``i`` of `logits` and `labels` only; no coins are read, so it can
+      score canaries before the guesses are made.
+    """
     logits = np.asarray(logits, dtype=np.float64)
     labels = np.asarray(labels, dtype=np.int64)
     top = logits.max(axis=1, keepdims=True)
@@ -207,6 +212,11 @@ def loss_scores(losses_after: np.ndarray, losses_before: np.ndarray | None = Non
 
     Returns:
       float64 `[m]`: `-losses_after`, or `losses_before - losses_after`.
+
+    Privacy:
+      Never reads the coins: score ``i`` depends on canary ``i``'s losses only. The losses must
+      come from the audited model (and ``losses_before`` from one that saw no data), or the
+      bound no longer tests that training run.
     """
     after = np.asarray(losses_after, dtype=np.float64)
     if losses_before is None:
@@ -230,6 +240,10 @@ def guesses_from_scores(
 
     Returns:
       int8 `[m]`; ties are broken by canary index (a stable sort), never by the coins.
+
+    Privacy:
+      The guesses depend on the scores (and canary order) alone, as the bound requires: the
+      coins must reach them only through the trained model the scores come from.
     """
     s = np.asarray(scores, dtype=np.float64)
     m = int(s.shape[0])
@@ -248,7 +262,12 @@ def guesses_from_scores(
 
 
 def count_correct(guesses: np.ndarray, included: np.ndarray) -> tuple[int, int]:
-    """(r, v): the number of non-abstaining guesses and how many of them match the coins."""
+    """(r, v): the number of non-abstaining guesses and how many of them match the coins.
+
+    Privacy:
+      This reads the secret coins (``included``): call it only once the guesses are final, since
+      a guess made or changed after seeing the coins voids the bound of :func:`p_value`.
+    """
     g = np.asarray(guesses)
     truth = np.where(np.asarray(included, dtype=bool), 1, -1)
     if g.shape != truth.shape:

@@ -177,6 +177,11 @@ def for_replicas(dataset: Any, replicas: int) -> Any:
     it back) and the batch is padded with masked rows to a multiple of ``replicas``, so that
     every replica gets the same number of rows (at least one; padding is data-independent).
     Other inputs are returned unchanged.
+
+    Privacy:
+      Only the layout changes: the added rows have mask 0 (they contribute nothing) and their
+      number depends on the static batch size and ``replicas`` alone; the copied ``step_end``
+      makes every replica end the same logical step, so the noise is still added once per step.
     """
     if replicas <= 1 or not isinstance(dataset, tf.data.Dataset):
         return dataset

@@ -530,7 +530,13 @@ class DPModel(keras.Model):
 
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Keras ``evaluate``; also takes the sampler's datasets (padding rows are ignored),
-        under a multi-replica strategy too (see :meth:`fit`)."""
+        under a multi-replica strategy too (see :meth:`fit`).
+
+        Privacy:
+          The results are exact, un-noised statistics of the evaluated data (see
+          :meth:`test_step`): not private for those examples, and not covered by the run's ε
+          when they are training examples. Only the weights they use come from private training.
+        """
         arguments = _bind(super().evaluate, x, y, args, kwargs)
         if distribute.worker_info(self.distribute_strategy).num_workers > 1:
             return self._evaluate_workers(**arguments)
@@ -869,7 +875,13 @@ class DPModel(keras.Model):
         return self.compute_metrics(x, _rows(y, keep), _rows(y_pred, keep), sample_weight=sw)
 
     def train_step(self, data: Any) -> dict[str, Any]:
-        """One DP-SGD micro-step on a batch (see the module contract for batch layouts)."""
+        """One DP-SGD micro-step on a batch (see the module contract for batch layouts).
+
+        Privacy:
+          Only the weight update is private (:func:`dpcore.step.dp_step`: clipped, noised once
+          per logical step). The returned loss, metrics and ``skipped`` count come from the raw
+          batch and are not private; the adaptive-clipping logs are functions of noised values.
+        """
         self._check_ready()
         x, y, sample_weight, mask, step_end = _unpack(data)
         x, y, sample_weight, mask = self._views(x, y, sample_weight, mask)
@@ -918,7 +930,13 @@ class DPModel(keras.Model):
         return x, y, sample_weight, mask
 
     def test_step(self, data: Any) -> dict[str, Any]:
-        """Evaluation on a batch: loss and metrics over the real rows."""
+        """Evaluation on a batch: loss and metrics over the real rows.
+
+        Privacy:
+          No clipping or noise: the loss and metrics are exact statistics of the batch (padding
+          rows excluded), so they are not private for its examples, and on training examples they
+          leak beyond the run's ε. No weight changes.
+        """
         if self._per_example_loss is None:
             raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
         x, y, sample_weight, mask, _ = _unpack(data)
@@ -935,6 +953,14 @@ class DPModel(keras.Model):
         return self._metric_results(x, y, y_pred, sample_weight, mask)
 
     def predict_step(self, data: Any) -> Any:
+        """The wrapped model's output (inference mode) on a batch's ``x``, padding rows included.
+
+        Takes the sampler's batches too; their ``y``, mask and ``step_end`` are ignored.
+
+        Privacy:
+          For the training data the predictions are post-processing of the private weights;
+          for the inputs given they are a plain function of those inputs, not private.
+        """
         batch = sampling.as_sampled_batch(data)
         if batch is not None:
             x = batch.x

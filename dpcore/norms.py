@@ -213,6 +213,11 @@ def rows_sq_norm(t: tf.Tensor) -> tf.Tensor:
 
     Never below the exact sum, for every input and whatever the summation order (NaN or Inf for
     a row holding NaN or Inf); see :func:`_sq_sums`.
+
+    Privacy:
+      Row ``i`` bounds row ``i`` of ``t`` alone: the float64 summation order may vary with the
+      batch size, but the bound holds for every order, so other examples can never push it
+      below the row's true sum.
     """
     row = t.shape[1:]
     if row.is_fully_defined() and row.num_elements() == 0:
@@ -258,7 +263,12 @@ def sum_of_norms(t: tf.Tensor) -> tf.Tensor:
 
 def triangle_bound(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     """``[B]`` float64 upper bound of ``sum_t ||a_t|| ||g_t||`` for ``a [B,T,D]``, ``g [B,T,P]``:
-    the triangle-inequality bound of ``||A^T G||_F`` and the scale of its rounding errors."""
+    the triangle-inequality bound of ``||A^T G||_F`` and the scale of its rounding errors.
+
+    Privacy:
+      Row ``i`` depends on example ``i``'s ``a`` and ``g`` only and is never below
+      ``||A_i^T G_i||_F``: the cap of the ghost bound, which holds whatever the data.
+    """
     prods = _position_norms(a) * _position_norms(g)
     return tf.reduce_sum(prods, axis=1) * _sum64_inflation(dim(a, 1))
 
@@ -279,6 +289,11 @@ def outer_sq_norm_bound(
 
     Returns:
       float64 ``[B]``.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only and is never below its ``||a_i||^2 ||g_i||^2``
+      with the product's relative rounding; the flush error that does not shrink with the clip
+      factor is bounded separately (:func:`outer_sum_error`).
     """
     g_rows = rows_sq_norm(g) if g_rows is None else g_rows
     return rows_sq_norm(a) * g_rows * (1.0 + dot_gamma(2)) ** 2
@@ -308,6 +323,11 @@ def outer_sum_error(t: Any, d: int, p: int, a_max: tf.Tensor, g_max: tf.Tensor) 
 
     Returns:
       float64 ``[B]``; about ``1e-37`` times the magnitudes for ordinary data.
+
+    Privacy:
+      Row ``i`` depends on example ``i``'s magnitudes and the static sizes only. The clip spends
+      it out of ``C`` because a larger norm bound would not cover it: dropping it could let one
+      example add more than ``C``.
     """
     per_position = 2.0 * (float(d) * float(p)) ** 0.5 * _F32_TINY
     g_max = tf.cast(g_max, tf.float64)
@@ -415,6 +435,10 @@ def gram(x: tf.Tensor) -> tf.Tensor:
     dynamic shapes) it is TensorFlow's matmul. Either way every entry is a float32 dot product of
     length ``K`` in some summation order, which is all the error model of
     :func:`gram_sq_norm_bound` assumes, and a NaN or Inf in a row reaches that row's entries.
+
+    Privacy:
+      Example ``i``'s matrix depends on ``x_i`` only; whether XLA compiles the product depends
+      on static shapes, never on values.
     """
     t, k = x.shape[1], x.shape[2]
     if compile_batched_product(t, t, k):

@@ -554,7 +554,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return StepNoise(unit=tuple(aggregation.standard_normal(variables, seed=self.step_seed())))
 
     def step_seed(self) -> tf.Tensor:
-        """The ``[2]`` int64 seed of the current logical step's noise."""
+        """The ``[2]`` int64 seed of the current logical step's noise.
+
+        Privacy:
+          ``fold_in(noise_seed, dp_steps)``: it depends on the optimizer's state only, never on
+          data, and differs for every step. Whoever knows ``noise_seed`` (saved in checkpoints)
+          can recompute every step's noise, which makes the updates as good as noise-free: keep
+          it secret, and fix ``seed`` for tests only.
+        """
         return tf.random.experimental.stateless_fold_in(
             tf.convert_to_tensor(self.noise_seed), tf.convert_to_tensor(self.dp_steps)
         )

@@ -46,6 +46,12 @@ class DPStepResult:
       input_gradients: per-example gradients w.r.t. the inputs, or None.
       num_skipped: real examples dropped by ``nonfinite="skip"`` (non-finite inputs, labels,
         weights, loss or gradient); always 0 with ``"raise"``.
+
+    Privacy:
+      Not private: every field is computed from the raw batch without noise, several of them
+      per example (``per_example_loss``, ``per_example_norms``, ``input_gradients``) and the
+      counts from the realized sample. Only the model update the step applied is privatized;
+      do not release these values.
     """
 
     loss: tf.Tensor

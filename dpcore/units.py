@@ -54,6 +54,11 @@ class UnitTable:
       ids: ``[U]`` the distinct unit ids, sorted (unit u is ``ids[u]``).
       rows: int64 ``[U, K]``: the row indices unit u keeps, ascending, then -1 for empty slots.
       num_rows: int64 ``[U]``: rows each unit has in the data, before the cap.
+
+    Privacy:
+      Built from the raw ``unit_ids``, so not private: ``ids``, ``num_rows`` and
+      ``dropped_rows`` reveal which units are present and how many rows each has; do not
+      release them. Unit ``u``'s ``rows`` depend on its own rows only (:func:`unit_table`).
     """
 
     ids: np.ndarray

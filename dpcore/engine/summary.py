@@ -53,6 +53,12 @@ class GradientSummary:
 
     With ``group_size = K`` every "example" above is a unit of ``K`` rows: ``sq_norms`` is
     ``[U, V]``, ``per_example_loss`` and ``mask`` are ``[U]`` and ``weighted_sum`` takes ``[U, V]``.
+
+    Privacy:
+      Nothing here is private: it is the raw batch's per-example data. Row ``i`` of ``sq_norms``,
+      ``sum_errors``, ``per_example_loss`` and ``mask`` depends on example (unit) ``i`` alone,
+      which lets a clip factor bound each example's contribution; only clip-weighted sums from
+      ``weighted_sum``, once noised (:func:`dpcore.aggregation.privatize`), may leave the step.
     """
 
     variables: tuple[Any, ...]

@@ -152,7 +152,13 @@ def reference_unit_gradients(
 
 
 def reference_per_example_norms(grads: Sequence[np.ndarray]) -> np.ndarray:
-    """Global L2 norm of each example's gradient from ``reference_per_example_gradients``."""
+    """Global L2 norm of each example's gradient from ``reference_per_example_gradients``.
+
+    Privacy:
+      Test-only: row ``i`` depends on example ``i`` alone, but these are plain norms in the
+      gradients' own precision, not certified upper bounds (:mod:`dpcore.norms`): never clip
+      with them.
+    """
     b = grads[0].shape[0]
     return np.sqrt(sum(np.sum(np.reshape(g, (b, -1)) ** 2, axis=1) for g in grads))
 
@@ -215,6 +221,11 @@ def assert_sq_norm_bound(
 
     Raises:
       AssertionError: naming the worst entry.
+
+    Privacy:
+      A test aid, not a proof: passing on sample data does not certify a bound, which must hold
+      for every finite input (:mod:`dpcore.norms`). An underestimate fails because a clip factor
+      taken from it would let an example contribute more than ``C``.
     """
     bound = np.asarray(bound, np.float64)
     reference = np.asarray(reference, np.float64)
