@@ -326,8 +326,6 @@ def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
     example). With epochs shorter than the config's pass (a validation split, or a larger fit
     batch), the guard used to count several Keras epochs as one pass and ran to 3.14 against a
     target of 2.05; it now stops where EpsilonCallback's epsilon is at most the target."""
-    import dataclasses
-
     import dpcore
 
     cfg = DPConfig(
@@ -339,7 +337,13 @@ def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
         sampling="shuffle",
         target_delta=1e-3,
     )
-    target = dataclasses.replace(cfg, steps=cfg.steps_per_epoch * 2).epsilon()  # two passes
+    two_passes = cfg.new_ledger()
+    for _ in range(2):
+        two_passes.record_steps(
+            steps=cfg.steps_per_epoch, noise_multiplier=2.0, sampling_prob=cfg.sampling_prob
+        )
+        two_passes.end_epoch()
+    target = two_passes.epsilon(target_delta=cfg.target_delta, pld_discretization=FAST)
     rng = np.random.default_rng(0)
     x, y = rng.random((200, 5), dtype=np.float32), rng.random((200, 1), dtype=np.float32)
     for kwargs in ({"batch_size": 20, "validation_split": 0.5}, {"batch_size": 40}):
@@ -347,8 +351,10 @@ def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
         dp = dpcore.make_private(
             model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
         )
-        guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
-        eps = EpsilonCallback(cfg)
+        guard = PrivacyBudgetGuard(
+            target_epsilon=target, config=cfg, verbose=0, pld_discretization=FAST
+        )
+        eps = EpsilonCallback(cfg, pld_discretization=FAST)
         dp.fit(x, y, epochs=50, verbose=0, callbacks=[guard, eps], **kwargs)
         assert eps.ledger.epochs == 2 and int(dp.optimizer.dp_steps) == 10  # two short epochs
         assert eps.epsilon() <= target
@@ -360,8 +366,6 @@ def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
     account each step with the σ it ran with, whatever the callbacks' order: a σ lowered for the
     last step by a callback listed after EpsilonCallback was booked at the old σ (ε 0.64
     reported against 10.30), and PrivacyBudgetGuard kept the step limit of the first σ."""
-    import dataclasses
-
     import dp_accounting
 
     import dpcore
@@ -397,7 +401,7 @@ def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
 
     dp = make()
     schedule = Schedule(dp, steps - 1)
-    cb = EpsilonCallback(cfg)
+    cb = EpsilonCallback(cfg, pld_discretization=FAST)
     data = dpcore.sampling.poisson_batches(
         x, y, sampling_prob=cfg.sampling_prob, steps=steps, seed=1
     )
@@ -413,25 +417,29 @@ def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
             for s in schedule.ran
         ]
     )
-    np.testing.assert_allclose(cb.epsilon(), acc.compute_epsilon(ran, target_delta=1e-3), rtol=1e-9)
+    np.testing.assert_allclose(cb.epsilon(), _eps(ran), rtol=1e-9)
 
     # The guard: σ 2.0 for the first epoch's 10 steps, then 1.0; its limit follows the new σ.
-    target = dataclasses.replace(cfg, steps=30).epsilon()
+    planned = cfg.new_ledger()
+    planned.record_steps(steps=30, noise_multiplier=2.0, sampling_prob=cfg.sampling_prob)
+    target = planned.epsilon(target_delta=cfg.target_delta, pld_discretization=FAST)
     dp = make()
 
     class Lower(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             dp.optimizer.noise_multiplier = 2.0 if epoch == 0 else 1.0
 
-    guard = PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0)
-    cb = EpsilonCallback(cfg)
+    guard = PrivacyBudgetGuard(
+        target_epsilon=target, config=cfg, verbose=0, pld_discretization=FAST
+    )
+    cb = EpsilonCallback(cfg, pld_discretization=FAST)
     data = dpcore.sampling.poisson_batches(x, y, sampling_prob=cfg.sampling_prob, steps=10, seed=1)
     dp.fit(data, epochs=50, verbose=0, callbacks=[Lower(), guard, cb])
     assert cb.epsilon() <= target
     assert int(dp.optimizer.dp_steps) == guard.stopped_at and guard.stopped_at < 30
     one_more = cb.ledger.copy()
     one_more.record_steps(steps=1, noise_multiplier=1.0, sampling_prob=cfg.sampling_prob)
-    assert one_more.epsilon(target_delta=cfg.target_delta) > target
+    assert one_more.epsilon(target_delta=cfg.target_delta, pld_discretization=FAST) > target
 
 
 @pytest.mark.parametrize("callback", ["epsilon", "guard"])
@@ -499,14 +507,17 @@ def test_guard_counts_the_optimizers_steps_not_the_configs_accumulation():
         accumulation_steps=4,
     )
     target = 1.5
-    guard, eps = (
-        PrivacyBudgetGuard(target_epsilon=target, config=cfg, verbose=0),
-        EpsilonCallback(cfg),
+    guard = PrivacyBudgetGuard(
+        target_epsilon=target, config=cfg, verbose=0, pld_discretization=FAST
     )
+    eps = EpsilonCallback(cfg, pld_discretization=FAST)
     data = dpcore.sampling.poisson_batches(x, y, sampling_prob=b / n, steps=steps, seed=1)
     dp.fit(data, epochs=1, verbose=0, callbacks=[guard, eps])
-    assert int(opt.dp_steps.numpy()) == guard.stopped_at == cfg.max_steps(target_epsilon=target)
+    assert int(opt.dp_steps.numpy()) == guard.stopped_at < 11  # 11 ran before
     assert eps.epsilon() <= target
+    one_more = eps.ledger.copy()
+    one_more.record_steps(steps=1, noise_multiplier=1.0, sampling_prob=b / n)
+    assert one_more.epsilon(target_delta=cfg.target_delta, pld_discretization=FAST) > target
 
 
 @pytest.mark.parametrize("sampling", ["shuffle", "poisson"])
