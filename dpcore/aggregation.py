@@ -24,6 +24,7 @@ from typing import Any, SupportsFloat
 import tensorflow as tf
 
 from dpcore.engine.summary import GradientSummary
+from dpcore.norms import round_down_f32
 
 _TINY = 1e-12
 # An example's contribution to a clipped sum has norm at most C * (1 + CONTRIBUTION_TOLERANCE):
@@ -123,12 +124,6 @@ def clip_factors(norms: tf.Tensor, *, l2_norm_clip: float | tf.Tensor) -> tf.Ten
         l2_norm_clip = tf.cast(l2_norm_clip, tf.float64)
     norms = tf.cast(norms, tf.float64)
     return tf.minimum(tf.constant(1.0, tf.float64), l2_norm_clip / tf.maximum(norms, _TINY))
-
-
-def round_down_f32(w: tf.Tensor) -> tf.Tensor:
-    """float64 -> float32 rounded toward zero, so a clip factor never grows when cast."""
-    w32 = tf.cast(w, tf.float32)
-    return tf.where(tf.cast(w32, tf.float64) > w, tf.math.nextafter(w32, tf.zeros_like(w32)), w32)
 
 
 def _sum_inflation(num_terms: int) -> float:

@@ -178,9 +178,15 @@ class _NoiseTracker:
 
     def changed(self) -> bool:
         """Whether σ was set (or, for a source without a log, differs) since the last segments."""
-        return len(_noise_changes(self.model)) > self.seen or (
-            _current_noise(self.model, self.sigma) != self.sigma
-        )
+        state = _dp_state(self.model)  # one read of the optimizer's state per batch hook
+        if state is None:
+            return False
+        return len(state.noise_changes) > self.seen or state.noise_multiplier != self.sigma
+
+    def record(self, ledger: PrivacyLedger, start: int, end: int, *, sampling_prob: float) -> None:
+        """Records steps ``start .. end - 1`` in ``ledger``, each with the σ it ran with."""
+        for steps, sigma in self.segments(start, end):
+            ledger.record_steps(steps=steps, noise_multiplier=sigma, sampling_prob=sampling_prob)
 
     def segments(self, start: int, end: int) -> list[tuple[int, float]]:
         """Segments for steps ``start .. end - 1``; afterwards σ is the one now in effect."""
@@ -331,10 +337,9 @@ class EpsilonCallback(keras.callbacks.Callback):
     def flush(self) -> None:
         """Records the steps run since the last flush, each with the σ it ran with."""
         position = self._position()
-        for steps, sigma in self._noise.segments(self._synced, position):
-            self.ledger.record_steps(
-                steps=steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
-            )
+        self._noise.record(
+            self.ledger, self._synced, position, sampling_prob=self.config.sampling_prob
+        )
         self._synced = max(self._synced, position)
 
     def epsilon(self) -> float:
@@ -506,10 +511,9 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         closes the pass if asked, and sets the limit from it; returns the steps remaining."""
         assert self._spent is not None
         position = self._steps_so_far()
-        for steps, sigma in self._noise.segments(self._synced, position):
-            self._spent.record_steps(
-                steps=steps, noise_multiplier=sigma, sampling_prob=self.config.sampling_prob
-            )
+        self._noise.record(
+            self._spent, self._synced, position, sampling_prob=self.config.sampling_prob
+        )
         self._synced = max(self._synced, position)
         if end_epoch:
             self._spent.end_epoch()

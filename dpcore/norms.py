@@ -115,6 +115,12 @@ def dot_gamma(
     return (1.0 + u_in) ** 2 * (1.0 + gamma) - 1.0
 
 
+def round_down_f32(w: tf.Tensor) -> tf.Tensor:
+    """float64 -> float32 rounded toward zero, so a clip factor never grows when cast."""
+    w32 = tf.cast(w, tf.float32)
+    return tf.where(tf.cast(w32, tf.float64) > w, tf.math.nextafter(w32, tf.zeros_like(w32)), w32)
+
+
 def dim(t: tf.Tensor, axis: int) -> Any:
     """The length of ``t`` along ``axis``: a Python int when static, else a scalar tensor."""
     n = t.shape[axis]

@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from dpcore import norms
 from dpcore.engine import graph
 from dpcore.options import NONFINITE_MODES
 
@@ -343,6 +344,8 @@ def drop_nonfinite(
         with tf.control_dependencies([check]):
             ok = tf.identity(ok)
     any_bad = tf.logical_not(tf.reduce_all(ok))
+    keep = ok[:, None]
+    kept_sq = tf.where(keep, sq, tf.zeros_like(sq))  # the returned norms: dropped rows are 0
 
     def weighted_sum(weights: tf.Tensor) -> list[tf.Tensor]:
         if nonfinite == "raise":
@@ -353,12 +356,10 @@ def drop_nonfinite(
 
         def again() -> list[tf.Tensor]:
             second = recompute(ok)  # a new forward pass: its own norms bound its own sums
-            first = tf.where(ok[:, None], sq, tf.zeros_like(sq))  # dropped rows: 0, as returned
-            return list(second.weighted_sum(second_pass_weights(weights, first, second.sq_norms)))
+            return list(second.weighted_sum(second_pass_weights(weights, kept_sq, second.sq_norms)))
 
         return tf.cond(any_bad, again, lambda: list(summary.weighted_sum(weights)))
 
-    keep = ok[:, None]
     input_gradients = summary.input_gradients
     if input_gradients is not None:
         ok_rows = tf.repeat(ok, group_size) if group_size > 1 else ok
@@ -368,7 +369,7 @@ def drop_nonfinite(
         sum_errors = tf.where(keep, sum_errors, tf.zeros_like(sum_errors))
     return dataclasses.replace(
         summary,
-        sq_norms=tf.where(keep, sq, tf.zeros_like(sq)),
+        sq_norms=kept_sq,
         sum_errors=sum_errors,
         per_example_loss=tf.where(ok, loss, tf.zeros_like(loss)),
         mask=summary.mask * tf.cast(ok, summary.mask.dtype),
@@ -398,9 +399,7 @@ def second_pass_weights(weights: tf.Tensor, sq_first: tf.Tensor, sq_second: tf.T
     ratio = tf.where(sq2 <= sq1, tf.ones_like(sq2), tf.sqrt(sq1 / sq2) * (1.0 - 2.0**-50))
     w = tf.cast(weights, tf.float64)
     # A weight of 0 (padding, a dropped record, whose first-pass norm may be NaN) stays 0.
-    w = tf.where(tf.equal(w, 0.0), w, w * ratio)
-    w32 = tf.cast(w, tf.float32)
-    return tf.where(tf.cast(w32, tf.float64) > w, tf.math.nextafter(w32, tf.zeros_like(w32)), w32)
+    return norms.round_down_f32(tf.where(tf.equal(w, 0.0), w, w * ratio))
 
 
 def check_variables(variables: Sequence[Any]) -> tuple[Any, ...]:
