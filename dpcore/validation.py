@@ -28,6 +28,11 @@ layer's identity, ``trainable`` and ``stateful`` flags, the training mode and th
 signature), so the check runs when a step is traced, not on every step, and runs again when the
 user toggles ``layer.trainable``.
 
+Mixing that no layer class or setting shows (a ``Lambda`` or Keras op that reduces over the
+batch, a custom layer without weights that sorts rows, a loss with in-batch terms) is caught by
+the rows probe of :mod:`dpcore.engine.independence`, which ``summarize`` runs right after this
+check (it replays the model layer by layer, so it lives with the engine).
+
 :func:`check_not_compiled_by_xla` is the other entry-point check: the DP step, ``summarize`` and
 ``DPOptimizer.apply_clipped_sum`` refuse to be traced for XLA as a whole, because XLA drops the
 assertions that stand between a bad batch and the weights.

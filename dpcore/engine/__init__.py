@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore import validation
+from dpcore.engine.independence import check_rows_independent
 from dpcore.engine.summary import (
     GradientSummary,
     batch_size_of,
@@ -94,12 +96,15 @@ def summarize(
       ValueError: for a model without trainable variables, a scalar loss or a batch-size
         mismatch (or a batch size that is not a multiple of ``group_size``); TypeError for options
         that are not an ``ExecutionOptions``; ValueError inside an XLA-compiled function
-        (see :func:`dpcore.validation.check_not_compiled_by_xla`).
+        (see :func:`dpcore.validation.check_not_compiled_by_xla`); ValueError for a model or
+        loss that mixes examples (:func:`dpcore.engine.independence.check_rows_independent`).
 
     Privacy:
       Every per-example quantity depends on one example (one unit) only; masked and skipped
       examples have zero norm and zero weight. The model is validated
-      (:func:`dpcore.validation.check_model`).
+      (:func:`dpcore.validation.check_model`) and probed for rows that reach other rows' losses
+      (:mod:`dpcore.engine.independence`); where that probe cannot decide, the whole model
+      takes the vectorized path.
     """
     validation.check_not_compiled_by_xla("dpcore.summarize")
     options = resolve(options)
@@ -122,9 +127,21 @@ def summarize(
         sample_weight, mask, group_size=group, group_reduction=options.group_reduction
     )
     validation.check_model(model, x, training=options.training, require_variables=False)
+    unverified = check_rows_independent(
+        model, loss, loss_fn, x, y, training=options.training, variables=variables
+    )
     use_fast = options.method == "fast" or (
         options.method == "auto" and options.chunk_size is None and _fast_available(model)
     )
+    if use_fast and unverified is not None:
+        warnings.warn(
+            f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
+            f"whole: whether each example's loss depends on that example alone could not be "
+            f"verified ({unverified}).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        use_fast = False
     if use_fast:
         from dpcore.engine.ghost import fast_summary as path
     else:

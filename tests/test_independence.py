@@ -1,0 +1,210 @@
+"""Models and losses that mix examples are refused by every entry point (the rows probe).
+
+A parameter-free layer or Keras op between two trainable layers, or a loss with in-batch terms,
+makes example ``j``'s clipped gradient depend on example ``i``: removing one record then moves
+the clipped sum by more than C (2.4 C on the first model here, fast path, before the probe).
+:mod:`dpcore.engine.independence` finds such mixing by changing the other rows of a synthetic
+batch and watching row 0, names where it happens, and refuses; a model whose rows it cannot
+verify (not deterministic) takes the whole-model vectorized path instead.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dpcore
+from dpcore import engine
+from dpcore.engine import independence
+from dpcore.losses import per_example_loss_fn
+from dpcore.options import ExecutionOptions
+from dpcore.step import dp_step, dp_train_step
+from tests.test_validation_entry_points import X, Y, _optimizer
+
+RNG = np.random.default_rng(1)
+
+
+def _between(mixer: keras.layers.Layer) -> keras.Model:
+    return keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(8, name="d1"), mixer, keras.layers.Dense(1)]
+    )
+
+
+def _centre() -> keras.layers.Layer:
+    return keras.layers.Lambda(
+        lambda h: h - keras.ops.mean(h, axis=0, keepdims=True), name="centre"
+    )
+
+
+class SortRows(keras.layers.Layer):
+    """No weights; sorts each feature over the batch (a custom layer that mixes rows)."""
+
+    def call(self, x):
+        return keras.ops.transpose(keras.ops.sort(keras.ops.transpose(x), axis=-1))
+
+
+class CumulativeSum(keras.layers.Layer):
+    """Row i sums rows 0..i: row 0 depends on itself alone, yet reaches every later row."""
+
+    def call(self, x):
+        return keras.ops.cumsum(x, axis=0)
+
+
+class FlipIds(keras.layers.Layer):
+    """Reverses the batch order of token ids (mixing before any floating tensor)."""
+
+    def call(self, ids):
+        return keras.ops.flip(ids, axis=0)
+
+
+class Jitter(keras.layers.Layer):
+    """Adds unseeded TensorFlow noise: not deterministic, so rows cannot be verified."""
+
+    def call(self, x):
+        return x + tf.random.uniform(tf.shape(x), maxval=1e-3)
+
+
+def _in_batch_loss(y_true, y_pred):
+    """Squared error against the batch-centred prediction: mixes examples through the mean."""
+    centred = y_pred - tf.reduce_mean(y_pred, axis=0, keepdims=True)
+    return tf.reduce_mean(tf.square(centred - y_true), axis=-1)
+
+
+def _entry_points(model, loss, method):
+    opt = _optimizer()
+    options = ExecutionOptions(method=method)
+
+    @tf.function
+    def step(x, y):
+        return dp_train_step(model, loss, x, y, optimizer=opt, options=options)
+
+    yield "dp_step", lambda: dp_step(model, loss, X, Y, optimizer=_optimizer(), options=options)
+    yield "dp_train_step", lambda: step(X, Y)
+    yield "summarize", lambda: engine.summarize(model, loss, X, Y, options=options)
+
+    def fit():
+        dp = dpcore.make_private(
+            model,
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=loss,
+            l2_norm_clip=1.0,
+            noise_multiplier=0.0,
+            expected_batch_size=4,
+            options=options,
+        )
+        dp.fit(X, Y, batch_size=4, epochs=1, verbose=0)
+
+    yield "make_private fit", fit
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+@pytest.mark.parametrize(
+    "build, where",
+    [
+        (lambda: _between(_centre()), "layer 'd1'"),
+        (lambda: _between(SortRows(name="sort")), "layer 'd1'"),
+        (lambda: _between(CumulativeSum(name="cumsum")), "layer 'd1'"),
+    ],
+    ids=["batch centring", "sort over the batch", "cumulative sum over the batch"],
+)
+def test_a_model_that_mixes_rows_is_refused_by_every_entry_point(build, where, method):
+    model = build()
+    before = [np.array(v) for v in model.variables]
+    for name, call in _entry_points(model, "mse", method):
+        with pytest.raises(ValueError, match=f"mixes examples downstream of {where}"):
+            call()
+        for v, b in zip(model.variables, before):
+            np.testing.assert_array_equal(np.array(v), b, err_msg=f"{name}: {v.path}")
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+def test_a_loss_that_mixes_examples_is_refused(method):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    for _, call in _entry_points(model, _in_batch_loss, method):
+        with pytest.raises(ValueError, match="the loss mixes examples"):
+            call()
+
+
+def test_mixing_of_token_ids_before_the_embedding_is_found():
+    ids = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, name="emb")(FlipIds(name="flip")(ids))
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h)))
+    x = RNG.integers(0, 10, size=(4, 5)).astype("int32")
+    with pytest.raises(ValueError, match="downstream of the model's inputs"):
+        engine.summarize(model, "mse", x, Y, options=ExecutionOptions(method="fast"))
+
+
+def test_the_probe_names_the_last_layer_before_the_mixing():
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(6, name="a")(inputs)
+    h = keras.layers.Dense(6, name="b")(h)
+    h = h - keras.ops.mean(h, axis=0, keepdims=True)  # a Keras op in the functional graph
+    h = keras.layers.Dense(6, name="c")(h)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="d")(h))
+    mixing, unverified = independence.mixing_probe(
+        model, per_example_loss_fn("mse"), X, Y, training=True
+    )
+    assert unverified is None
+    assert mixing is not None and "downstream of layer 'b'" in mixing
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        keras.Sequential(
+            [
+                keras.Input((3,)),
+                keras.layers.Dense(8),
+                keras.layers.Dropout(0.5),
+                keras.layers.Dense(1),
+            ]
+        ),
+        keras.Sequential(
+            [
+                keras.Input((3,)),
+                keras.layers.Reshape((3, 1)),
+                keras.layers.LSTM(4, return_sequences=True),
+                keras.layers.LayerNormalization(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        ),
+    ],
+    ids=["dropout in training mode", "lstm and layer norm"],
+)
+def test_models_that_keep_rows_apart_pass_and_the_probe_changes_nothing(model):
+    before = [np.array(v) for v in model.variables]  # seed generator states included
+    mixing, unverified = independence.mixing_probe(
+        model, per_example_loss_fn("mse"), X, Y, training=True
+    )
+    assert (mixing, unverified) == (None, None)
+    for v, b in zip(model.variables, before):
+        np.testing.assert_array_equal(np.array(v), b, err_msg=v.path)
+
+
+def test_a_model_whose_rows_cannot_be_verified_takes_the_vectorized_path():
+    model = _between(Jitter(name="jitter"))
+    with pytest.warns(RuntimeWarning, match="could not be verified.*identical calls"):
+        s = engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
+    assert set(s.paths.values()) == {"vectorized"}
+
+
+def test_the_probe_runs_once_per_traced_step(monkeypatch):
+    calls = []
+    probe = independence.mixing_probe
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(independence, "mixing_probe", counting)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    opt = _optimizer()
+
+    @tf.function
+    def step(x, y):
+        return dp_train_step(model, "mse", x, y, optimizer=opt)
+
+    for _ in range(3):
+        step(X, Y)
+    assert len(calls) == 1
