@@ -141,6 +141,7 @@ def total_norm_bound(sq_norms: tf.Tensor) -> tf.Tensor:
     return tf.sqrt(tf.reduce_sum(sq, axis=1) * _sum_inflation(sq.shape[-1] or 1))
 
 
+@tf.autograph.experimental.do_not_convert
 def clip(
     summary: GradientSummary,
     *,
@@ -401,6 +402,7 @@ def gaussian_noise(
     return [tf.cast(z * tf.cast(stddev, tf.float32), t.dtype) for z, t in zip(unit, like)]
 
 
+@tf.autograph.experimental.do_not_convert
 def privatize(
     clipped: ClippedSum,
     *,

@@ -126,6 +126,7 @@ def dp_step(
     )
 
 
+@tf.autograph.experimental.do_not_convert
 def dp_train_step(
     model: Any,
     loss: Any,

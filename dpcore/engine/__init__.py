@@ -64,6 +64,7 @@ def _fast_available(model: Any) -> bool:
     return bool(supports(model)) if supports is not None else False
 
 
+@tf.autograph.experimental.do_not_convert
 def summarize(
     model: Any,
     loss: Any,
