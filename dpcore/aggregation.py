@@ -7,7 +7,10 @@ Contract:
   clipping, ``sqrt(sum_g C_g^2)`` for per-group clipping, under add/remove-one adjacency.
 - Nothing rescales a ``ClippedSum`` before noise. :func:`privatize` adds Gaussian noise of std
   ``noise_multiplier * l2_sensitivity`` to every coordinate of the sum, exactly once, and then
-  divides by ``expected_batch_size`` (never by the realized batch size).
+  divides by ``expected_batch_size`` (never by the realized batch size). That std is 0 (σ = 0) or
+  within ``[MIN_NOISE_STDDEV, MAX_NOISE_STDDEV] = [2^-40, 2^100]``, checked where σ and the bound
+  are given and again when the step runs: below, float32 flushes noise values to zero (the
+  release would be the clipped sum without noise); above, they overflow.
 - Noise is standard normal by the Box-Muller transform of ``tf.random.stateless_uniform`` (Philox)
   draws, with a seed the caller owns (the optimizer keeps it as checkpointed state), so the same
   seed reproduces the same noise and a resumed run draws fresh noise.
@@ -33,6 +36,21 @@ _TINY = 1e-12
 CONTRIBUTION_TOLERANCE = 1e-6
 
 
+# The noise std σ·Δ of a release is 0 (σ = 0: a run that claims no privacy) or within
+# [MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]; privatize checks it when the step runs, the optimizer's
+# constructor and setter when σ and C are given.
+# The lower limit: TensorFlow's CPU kernels flush float32 subnormals (below 2^-126) to zero, so a
+# noise value z·std below 2^-126 was exactly 0 while the clipped sum it was added to stayed a normal
+# float: the release was the un-noised sum (probability 0.01 per step at std 2^-120). A standard
+# normal of standard_normal is 0 or at least 2^-38 in magnitude (radius 0 or >= 2^-11.5, the
+# sine/cosine of its 24-bit float32 angle 0 or >= 2^-26.4), so with std >= 2^-40 every non-zero
+# noise value is at least 2^-78: normal, never flushed.
+MIN_NOISE_STDDEV = 2.0**-40
+# The upper limit: a standard normal is at most NOISE_RADIUS_MAX < 2^4, so every noise value is
+# below 2^104, finite in float32 (largest 2^128), with room for the clipped sum it is added to.
+MAX_NOISE_STDDEV = 2.0**100
+
+
 def _check_clip(name: str, value: float) -> float:
     value = float(value)
     if not value > 0:
@@ -50,7 +68,10 @@ def check_privacy_args(
 
     ``noise_multiplier`` must be finite and >= 0, ``expected_batch_size`` finite and > 0, every
     ``l2_norm_clip`` > 0. An infinite clip bound (no clipping: unbounded sensitivity) is only
-    accepted with ``noise_multiplier == 0``, i.e. for a run that claims no privacy.
+    accepted with ``noise_multiplier == 0``, i.e. for a run that claims no privacy. With
+    ``noise_multiplier`` σ > 0 the noise std ``σ * l2_sensitivity`` (``C``, or ``sqrt(sum C_g^2)``
+    for per-group bounds) must lie in ``[MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]``: below, float32
+    flushes noise values to zero; above, they overflow.
     """
     clips = l2_norm_clip if isinstance(l2_norm_clip, (list, tuple)) else [l2_norm_clip]
     if not clips:
@@ -73,6 +94,17 @@ def check_privacy_args(
             "clip bound has unbounded sensitivity, so no noise makes the step private; use a "
             "finite l2_norm_clip (an infinite one only with noise_multiplier=0, a non-private run)."
         )
+    if sigma > 0:
+        stddev = sigma * math.hypot(*(float(c) for c in clips))
+        if not MIN_NOISE_STDDEV <= stddev <= MAX_NOISE_STDDEV:
+            raise ValueError(
+                f"l2_norm_clip={l2_norm_clip!r} with noise_multiplier={noise_multiplier!r} gives a "
+                f"noise std of {stddev!r}, outside [2^-40, 2^100] (MIN_NOISE_STDDEV, "
+                "MAX_NOISE_STDDEV): float32 flushes smaller noise values to zero, which would "
+                "release the clipped sum without noise, and overflows on larger ones. Rescale the "
+                "loss or the bound so that noise_multiplier * l2_norm_clip is in that range (or "
+                "use noise_multiplier=0 for a non-private run)."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +434,41 @@ def gaussian_noise(
     return [tf.cast(z * tf.cast(stddev, tf.float32), t.dtype) for z, t in zip(unit, like)]
 
 
+def _float64(value: Any) -> tf.Tensor:
+    """``value`` as a float64 tensor; a Python number directly, not through float32 (where 1e-50
+    is 0 and 1e50 infinite)."""
+    if isinstance(value, numbers.Real):
+        return tf.constant(float(value), tf.float64)
+    return tf.cast(value, tf.float64)
+
+
+def checked_noise_stddev(stddev: tf.Tensor) -> tf.Tensor:
+    """The float64 noise std ``stddev``, once the step has checked that it is 0 or within
+    ``[MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]`` (it fails otherwise).
+
+    For a std read when the step runs (σ or a bound restored from a checkpoint skips the checks
+    of the constructor and the setter). Where the assertion does not run (XLA drops it), the
+    returned std is NaN, so the release is NaN rather than un-noised.
+
+    Privacy:
+      A smaller non-zero std is flushed to zero noise by float32 (the release would be the
+      un-noised clipped sum); a larger one overflows.
+    """
+    stddev = _float64(stddev)
+    ok = tf.equal(stddev, 0.0) | ((stddev >= MIN_NOISE_STDDEV) & (stddev <= MAX_NOISE_STDDEV))
+    check = tf.debugging.Assert(
+        ok,
+        [
+            "dpcore: the noise std (noise_multiplier * l2_sensitivity) must be 0 or within "
+            "[2^-40, 2^100] when the step runs (float32 flushes smaller noise to zero and "
+            "overflows on larger); the step was not applied. Got",
+            stddev,
+        ],
+    )
+    with tf.control_dependencies([check]):
+        return tf.where(ok, stddev, stddev * float("nan"))
+
+
 @tf.autograph.experimental.do_not_convert
 def privatize(
     clipped: ClippedSum,
@@ -415,11 +482,13 @@ def privatize(
 
     Args:
       clipped: the (possibly accumulated) clipped sum of one logical step.
-      noise_multiplier: σ; noise std is ``σ * clipped.l2_sensitivity``. A Python number is
-        checked here (and σ = 0 skips the noise draw); a scalar tensor (the optimizer's
-        ``noise_multiplier`` variable, so that a σ schedule takes effect without retracing) is
-        read when the step runs: the step fails unless it is finite and at least 0 (a variable
-        restored from a checkpoint, or a σ derived from it, was never checked by a setter).
+      noise_multiplier: σ; noise std is ``σ * clipped.l2_sensitivity``. A Python number (with
+        a Python bound) is checked here (and σ = 0 skips the noise draw), against the same
+        range as below. A scalar tensor (the optimizer's ``noise_multiplier`` variable, so that
+        a σ schedule takes effect without retracing), or a tensor bound, is read when the step
+        runs: the step fails unless σ is finite and at least 0 and the noise std is 0 or within
+        ``[MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]`` (:func:`checked_noise_stddev`); a variable
+        restored from a checkpoint, or a σ derived from it, was never checked by a setter.
       expected_batch_size: the divisor (``sampling_prob * num_examples`` under Poisson sampling).
       seed: ``[2]`` integer tensor; a fresh one per logical step.
       unit_noise: ``standard_normal(clipped.grads, seed=seed)`` when it was drawn earlier (to
@@ -433,8 +502,12 @@ def privatize(
       exactly once per logical step; dividing by a data-independent constant keeps the guarantee.
     """
     scale = 1.0 / float(expected_batch_size)
-    if not isinstance(noise_multiplier, numbers.Real):  # a tensor or variable
-        sigma = tf.cast(tf.convert_to_tensor(noise_multiplier), tf.float64)
+    # A tensor σ or bound (a variable, restored from a checkpoint) is checked when the step runs.
+    if not (
+        isinstance(noise_multiplier, numbers.Real)
+        and isinstance(clipped.l2_sensitivity, numbers.Real)
+    ):
+        sigma = _float64(noise_multiplier)
         # A NaN or negative σ would otherwise mean std 0 below: no noise, and no error.
         valid = tf.math.is_finite(sigma) & (sigma >= 0.0)
         check = tf.debugging.Assert(
@@ -442,7 +515,7 @@ def privatize(
         )
         with tf.control_dependencies([check]):
             sigma = tf.identity(sigma)
-        sensitivity = tf.cast(clipped.l2_sensitivity, tf.float64)
+        sensitivity = _float64(clipped.l2_sensitivity)
         # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN. Any
         # other sigma that is not > 0 is NaN noise: where the assertion above does not run (XLA
         # drops it), the release is NaN rather than un-noised.
@@ -451,15 +524,18 @@ def privatize(
             sigma * sensitivity,
             tf.where(tf.equal(sigma, 0.0), tf.zeros_like(sigma), sigma * float("nan")),
         )
-        noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)
+        noise = gaussian_noise(
+            clipped.grads, stddev=checked_noise_stddev(stddev), seed=seed, unit=unit_noise
+        )
         return [(g + n) * scale for g, n in zip(clipped.grads, noise)]
+    bound = float(clipped.l2_sensitivity)
     check_privacy_args(
-        l2_norm_clip=clipped.l2_sensitivity,
+        l2_norm_clip=bound,
         noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch_size,
     )
     if float(noise_multiplier) == 0.0:  # no noise requested (tests, non-private baselines)
         return [g * scale for g in clipped.grads]
-    stddev = float(noise_multiplier) * clipped.l2_sensitivity
+    stddev = float(noise_multiplier) * bound
     noise = gaussian_noise(clipped.grads, stddev=stddev, seed=seed, unit=unit_noise)
     return [(g + n) * scale for g, n in zip(clipped.grads, noise)]

@@ -1,5 +1,6 @@
 """Clipping and noise aggregation: bounds, sensitivity, noise scale, reproducibility."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -190,6 +191,50 @@ def test_a_tensor_noise_multiplier_that_is_not_finite_and_non_negative_fails_the
         pass
     else:
         assert np.all(np.isnan(out)) or (sigma == float("inf") and not np.any(np.isfinite(out)))
+
+
+@pytest.mark.parametrize(
+    "clip, sigma",
+    [(1e-36, 1.0), (2.0**-41, 1.0), (1.0, 2.0**-41), ([2.0**-42, 2.0**-42], 1.0), (2.0**127, 3.0)],
+)
+def test_a_noise_std_that_float32_flushes_to_zero_or_overflows_is_refused(clip, sigma):
+    """CPU kernels flush float32 subnormals to zero: with σ C near 2^-126 a noise value z σ C
+    below 2^-126 was exactly 0 and the release the clipped sum without noise (1 % of steps at
+    C = 2^-120); σ C above float32's range made the noise infinite. σ C must lie in
+    [2^-40, 2^100] (σ = 0, a non-private run, takes any bound)."""
+    kw = {"expected_batch_size": 1.0}
+    with pytest.raises(ValueError, match=r"noise std of .* outside \[2\^-40, 2\^100\]"):
+        aggregation.check_privacy_args(l2_norm_clip=clip, noise_multiplier=sigma, **kw)
+    aggregation.check_privacy_args(l2_norm_clip=clip, noise_multiplier=0.0, **kw)
+    limits = (aggregation.MIN_NOISE_STDDEV, aggregation.MAX_NOISE_STDDEV)
+    for c in limits:
+        aggregation.check_privacy_args(l2_norm_clip=c, noise_multiplier=1.0, **kw)
+
+
+@pytest.mark.parametrize(
+    "bound, sigma", [(2.0**-120, 1.0), (1.0, 1e-13), (2.0**-130, 1.0), (1e10, 1e21)]
+)
+def test_a_noise_std_out_of_range_when_the_step_runs_fails_the_step(bound, sigma):
+    """A σ or bound read when the step runs (restored from a checkpoint, so never checked by a
+    setter) whose noise std would flush to zero (below 2^-40) or overflow (above 2^100) fails
+    the step, eagerly and in a graph; under XLA, which drops assertions, the release is NaN."""
+    s = dataclasses.replace(_sum_of_two([tf.fill([64], 2.0**-100)]), l2_sensitivity=bound)
+
+    def run(sigma, bound=bound):
+        clipped = dataclasses.replace(s, l2_sensitivity=bound)
+        return aggregation.privatize(
+            clipped, noise_multiplier=sigma, expected_batch_size=1.0, seed=tf.constant([1, 2])
+        )
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"noise std .* 0 or within"):
+        run(tf.constant(sigma))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"noise std .* 0 or within"):
+        tf.function(run)(tf.constant(sigma))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"noise std .* 0 or within"):
+        run(sigma, tf.constant(bound, tf.float64))  # a tensor bound, a Python σ
+    np.testing.assert_array_equal(run(tf.constant(0.0))[0].numpy(), np.full(64, 2.0**-100))
+    out = tf.function(run, jit_compile=True)(tf.constant(sigma))[0].numpy()
+    assert np.all(np.isnan(out))
 
 
 def test_zero_noise_is_the_clipped_mean():

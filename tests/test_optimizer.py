@@ -691,6 +691,31 @@ def test_two_replicas_sum_clipped_grads_and_add_noise_once():
     assert same == "True" and steps == "1"
 
 
+@pytest.mark.parametrize("restored_sigma", [2.0**-50, 2.0**110])
+def test_a_noise_std_that_float32_cannot_carry_fails_the_step(restored_sigma):
+    """With σ C below 2^-40 float32 can flush noise values to zero (the release is then the
+    clipped sum without noise), above 2^100 they overflow: the constructor and the setter refuse
+    such a σ, and one restored from a checkpoint fails the step before any state changes."""
+    with pytest.raises(ValueError, match=r"noise std of .* outside \[2\^-40, 2\^100\]"):
+        make_opt(l2_norm_clip=1e-36, noise_multiplier=1.0)
+    model = wide_model()
+    opt = make_opt(noise_multiplier=1.0, seed=3)
+    with pytest.raises(ValueError, match="noise std"):
+        opt.noise_multiplier = restored_sigma
+    opt.build(model.trainable_variables)
+    step = step_fn(model, opt)
+    x = np.random.default_rng(0).normal(size=(4, 100)).astype("float32")
+    y = np.zeros(4, "int32")
+    step(x, y)
+    before, state = weights(model), opt.dp_state
+    opt._noise_multiplier.assign(restored_sigma)  # what restoring a checkpoint does
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"noise std .* 0 or within"):
+        step(x, y)
+    for a, b in zip(weights(model), before):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.dp_steps) == state.dp_steps == 1
+
+
 def test_a_step_whose_sigma_fails_its_check_changes_no_state():
     """σ is a variable that a checkpoint restore assigns without the setter's check. A logical
     step that ends with a σ that is not finite fails, and every state change of that step waits
