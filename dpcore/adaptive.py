@@ -12,7 +12,11 @@ Contract:
   adjacency; with ``n`` real rows it estimates the unclipped fraction exactly when
   ``n = expected_batch_size``.
 - The next bound is the geometric update ``C <- C * exp(-η (b̃ - γ))``, a function of the noised
-  fraction only, kept in the positive normal float32 range so the noise std stays finite.
+  fraction only, kept within ``[MIN_CLIP, MAX_CLIP] = [2^-30, 2^60]``. With the σ_Δ
+  :func:`check_noise_range` accepts, the gradient noise std ``σ_Δ C`` then stays within
+  ``[2^-40, 2^100]`` (:data:`dpcore.aggregation.MIN_NOISE_STDDEV`, ``MAX_NOISE_STDDEV``): float32
+  neither flushes a noise value to zero nor overflows. The initial bound must lie in that range
+  too, and the step checks C (restored from a checkpoint without a check) when it runs.
 - The step's noised gradient sum (sensitivity C) and noised count (sensitivity 1/2) release one
   example's contribution through one Gaussian mechanism of noise multiplier σ with
   ``σ^-2 = σ_Δ^-2 + (2 σ_b)^-2``: the gradient noise multiplier is
@@ -31,7 +35,10 @@ import tensorflow as tf
 from dpcore import aggregation
 
 __all__ = [
+    "MAX_CLIP",
+    "MIN_CLIP",
     "AdaptiveClip",
+    "check_noise_range",
     "effective_noise_multiplier",
     "gradient_noise_multiplier",
     "noised_unclipped_fraction",
@@ -42,9 +49,18 @@ __all__ = [
 # variable group g uses fold_in(step seed, int64(g)) (dpcore.aggregation.standard_normal), g < the number of
 # variables.
 _COUNT_STREAM = 2**31 - 1
-# C stays a positive normal float32 so that the noise std σ_Δ C is finite and non-zero.
-_MIN_CLIP = 2.0**-126
-_MAX_CLIP = 2.0**127
+# The update keeps C within [MIN_CLIP, MAX_CLIP], and DPOptimizer accepts adaptive clipping only
+# with σ_Δ = 0 or MIN_NOISE_STDDEV / MIN_CLIP <= σ_Δ <= MAX_NOISE_STDDEV / MAX_CLIP, i.e. σ_Δ in
+# [2^-10, 2^40] (check_noise_range): at every C the update can reach, the gradient noise std
+# σ_Δ C is then within [2^-40, 2^100] (dpcore.aggregation.MIN_NOISE_STDDEV, MAX_NOISE_STDDEV), so
+# float32 never flushes a noise value to zero (a std near 2^-126 released the un-noised sum with
+# probability 0.01 per step) and never overflows (σ_Δ 2^127 did). σ_Δ >= σ, so the lower limit
+# asks σ >= 2^-10, far below any σ with a meaningful guarantee. The step checks C and the noise
+# std again when it runs: a checkpoint restores σ and C without these checks.
+MIN_CLIP = 2.0**-30
+MAX_CLIP = 2.0**60
+_MIN_GRADIENT_NOISE = aggregation.MIN_NOISE_STDDEV / MIN_CLIP
+_MAX_GRADIENT_NOISE = aggregation.MAX_NOISE_STDDEV / MAX_CLIP
 
 
 def _finite_at_least(name: str, value: object, low: float, *, strict: bool) -> float:
@@ -135,6 +151,51 @@ def gradient_noise_multiplier(*, noise_multiplier: float, count_stddev: float) -
     return sigma / math.sqrt(1.0 - (sigma / (2.0 * sigma_b)) ** 2)
 
 
+def check_noise_range(
+    *, noise_multiplier: float, count_stddev: float, l2_norm_clip: float | None = None
+) -> float:
+    """σ_Δ of ``noise_multiplier``, checked against the range of C the update keeps.
+
+    Args:
+      noise_multiplier: σ, the noise multiplier the run is accounted with.
+      count_stddev: σ_b, the std of the count noise.
+      l2_norm_clip: the initial bound C, or None to check σ alone (a σ set between steps).
+
+    Returns:
+      σ_Δ (:func:`gradient_noise_multiplier`).
+
+    Raises:
+      ValueError: when ``2 σ_b <= σ`` (σ > 0); when σ > 0 and σ_Δ is outside ``[2^-10, 2^40]``,
+        so that ``σ_Δ C`` could leave ``[MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]`` at some C in
+        ``[MIN_CLIP, MAX_CLIP]``; when ``l2_norm_clip`` is outside ``[MIN_CLIP, MAX_CLIP]``.
+
+    Privacy:
+      Within these ranges the gradient noise std is never flushed to zero by float32 (which
+      would release the clipped sum without noise) and never overflows.
+    """
+    sigma_delta = gradient_noise_multiplier(
+        noise_multiplier=noise_multiplier, count_stddev=count_stddev
+    )
+    if sigma_delta > 0.0 and not _MIN_GRADIENT_NOISE <= sigma_delta <= _MAX_GRADIENT_NOISE:
+        raise ValueError(
+            f"noise_multiplier={noise_multiplier!r} with count_stddev={count_stddev!r} gives a "
+            f"gradient noise multiplier of {sigma_delta!r}, outside [2^-10, 2^40]: adaptive "
+            "clipping moves C within [2^-30, 2^60] (MIN_CLIP, MAX_CLIP), and the noise std "
+            "sigma_delta * C must stay within [2^-40, 2^100] there (float32 flushes smaller noise "
+            "values to zero and overflows on larger). Use noise_multiplier=0 for a non-private "
+            "run."
+        )
+    if l2_norm_clip is not None:
+        c = float(l2_norm_clip)
+        if not MIN_CLIP <= c <= MAX_CLIP:
+            raise ValueError(
+                f"adaptive clipping needs an initial l2_norm_clip within [2^-30, 2^60] "
+                f"(MIN_CLIP, MAX_CLIP, the range the bound is kept in), got {l2_norm_clip!r}; "
+                "rescale the loss if the gradient norms are outside it."
+            )
+    return sigma_delta
+
+
 def effective_noise_multiplier(*, gradient_noise_multiplier: float, count_stddev: float) -> float:
     """σ with ``σ^-2 = σ_Δ^-2 + (2 σ_b)^-2``: what one adaptive step costs, as one Gaussian.
 
@@ -216,7 +277,7 @@ def noised_unclipped_fraction(
 def updated_clip(
     *, l2_norm_clip: Any, unclipped_fraction: Any, target_quantile: float, learning_rate: float
 ) -> tf.Tensor:
-    """The geometric update ``C exp(-η (b̃ - γ))``, kept in the positive normal float32 range.
+    """The geometric update ``C exp(-η (b̃ - γ))``, kept within ``[MIN_CLIP, MAX_CLIP]``.
 
     Privacy:
       A function of the previous bound and the noised fraction only (post-processing).
@@ -225,4 +286,4 @@ def updated_clip(
     step = -float(learning_rate) * (
         tf.cast(unclipped_fraction, tf.float64) - float(target_quantile)
     )
-    return tf.clip_by_value(c * tf.exp(step), _MIN_CLIP, _MAX_CLIP)
+    return tf.clip_by_value(c * tf.exp(step), MIN_CLIP, MAX_CLIP)

@@ -155,7 +155,11 @@ def _check_adaptive(config: Any, l2_norm_clip: Any, noise_multiplier: float) -> 
             f"adaptive_clip needs one finite initial l2_norm_clip, got {l2_norm_clip!r} "
             "(per-group bounds are not adapted)."
         )
-    config.gradient_noise_multiplier(noise_multiplier=float(noise_multiplier))
+    adaptive.check_noise_range(
+        noise_multiplier=float(noise_multiplier),
+        count_stddev=config.count_stddev,
+        l2_norm_clip=float(l2_norm_clip),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +405,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
             expected_batch_size=self.expected_batch_size,
         )
         if self.adaptive_clip is not None:
-            self.adaptive_clip.gradient_noise_multiplier(noise_multiplier=float(value))
+            adaptive.check_noise_range(
+                noise_multiplier=float(value), count_stddev=self.adaptive_clip.count_stddev
+            )
         if float(value) == self.noise_multiplier:
             return  # nothing changes (a schedule may set the same σ every epoch)
         self._noise_multiplier.assign(float(value))

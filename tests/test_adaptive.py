@@ -399,3 +399,86 @@ def test_the_count_noise_comes_from_the_gradient_noise_sampler():
         stream = tf.random.experimental.stateless_fold_in(seed, tf.constant(2**31 - 1, tf.int64))
         z = aggregation.standard_normal([tf.zeros([])], seed=stream)[0]
         assert float(got) - 0.5 == pytest.approx(2.5 * float(z), rel=1e-12, abs=1e-12)
+
+
+# ------------------------------------------------------------------- the bound's range at run time
+def zero_kernel_releases(model, step, x, steps):
+    """The released (noised, divided) sums of ``steps`` steps, each from a zero kernel."""
+    kernel = model.trainable_variables[0]
+    out = []
+    for _ in range(steps):
+        kernel.assign(tf.zeros(kernel.shape))
+        step(x)
+        out.append(-kernel.numpy().ravel())
+    return np.concatenate(out)
+
+
+def test_at_the_floor_of_the_bound_every_release_is_noised():
+    """CPU kernels flush float32 subnormals to zero: with the floor at 2^-126, a noise value
+    σ_Δ C z below 2^-126 was exactly 0 and the release the clipped sum without noise (at
+    C = 2^-120, 1.2 % of the steps). At the floor 2^-30, with the σ_Δ >= 2^-10 that the
+    optimizer accepts, the std is at least 2^-40 and no coordinate of 4096 draws equals the
+    un-noised clipped sum. Below the floor an initial bound is refused; an update with a large η
+    stops at the floor."""
+    from dpcore import adaptive
+
+    d, b = 1024, 2
+    x = np.zeros((b, d), "float32")
+    x[0] = 1.0  # norm 32, clipped to C: each coordinate C / 32 (a normal float32)
+
+    def releases(sigma, count_stddev, steps, eta=0.0):
+        model = linear_model(d)
+        opt = make_opt(
+            lr=1.0,
+            clip=adaptive.MIN_CLIP,
+            sigma=sigma,
+            count_stddev=count_stddev,
+            eta=eta,
+            expected_batch_size=b,
+            seed=11,
+        )
+        return zero_kernel_releases(model, step_fn(model, opt), x, steps), opt
+
+    exact, _ = releases(0.0, 0.0, 1)
+    np.testing.assert_allclose(exact, adaptive.MIN_CLIP / 32 / b, rtol=1e-6)  # atol 0
+    noised, _ = releases(1.0, 1.0, 4)  # σ_Δ = 1.155
+    assert np.count_nonzero(noised == np.tile(exact, 4)) == 0
+    assert np.std(noised) == pytest.approx(1.155 * adaptive.MIN_CLIP / b, rel=0.05)
+
+    for clip in (2.0**-120, 2.0**-35, 2.0**61):
+        with pytest.raises(ValueError, match="l2_norm_clip"):
+            make_opt(clip=clip, sigma=1.0, count_stddev=1.0)
+    # The smallest σ_Δ the optimizer accepts is 2^-10, the largest 2^40 (σ_Δ C at the floor and
+    # at the ceiling of C within [2^-40, 2^100]).
+    with pytest.raises(ValueError, match=r"outside \[2\^-10, 2\^40\]"):
+        make_opt(clip=1.0, sigma=2.0**-11, count_stddev=1.0)
+    with pytest.raises(ValueError, match=r"outside \[2\^-10, 2\^40\]"):
+        make_opt(clip=1.0, sigma=2.0**41, count_stddev=2.0**41)
+    opt = make_opt(clip=1.0, sigma=1.0, count_stddev=1.0)
+    with pytest.raises(ValueError, match=r"outside \[2\^-10, 2\^40\]"):
+        opt.noise_multiplier = 2.0**-11  # a schedule too
+    assert opt.noise_multiplier == 1.0
+
+    # η = 100 (C moves by up to e^50 per step) reaches the floor and stops there.
+    model = linear_model(1)
+    opt = make_opt(clip=1.0, sigma=1.0, count_stddev=1.0, eta=100.0, expected_batch_size=b)
+    step = step_fn(model, opt)
+    clips = []
+    for t in range(8):
+        step(np.full((b, 1), float(t % 2), "float32"))
+        clips.append(clip_of(opt))
+    assert min(clips) == adaptive.MIN_CLIP and max(clips) <= adaptive.MAX_CLIP
+
+
+def test_at_the_ceiling_of_the_bound_the_noise_is_finite():
+    """At C = 2^127 the noise std σ_Δ C (σ = σ_b = 3: 5.9e38) overflowed float32 and the step
+    released -inf. The ceiling is 2^60: with σ_Δ <= 2^40 the std stays below 2^100."""
+    from dpcore import adaptive
+
+    model = linear_model(1)
+    opt = make_opt(
+        lr=1.0, clip=adaptive.MAX_CLIP, sigma=3.0, count_stddev=3.0, eta=0.0,
+        expected_batch_size=2, seed=5,
+    )  # fmt: skip
+    releases = zero_kernel_releases(model, step_fn(model, opt), np.ones((2, 1), "float32"), 3)
+    assert np.all(np.isfinite(releases)) and np.all(np.abs(releases) > 2.0**55)
