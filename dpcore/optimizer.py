@@ -30,7 +30,10 @@ Contract:
   ``l2_norm_clip``, checkpointed): each logical step also noises the count of unclipped examples
   once (accumulated over micro-steps and replicas like the gradients), then updates C from that
   noised count only. ``noise_multiplier`` stays the σ the run is accounted with; the gradient
-  noise uses σ_Δ > σ so that gradient and count together are one Gaussian mechanism of σ.
+  noise uses σ_Δ > σ so that gradient and count together are one Gaussian mechanism of σ. Every
+  micro-batch must be clipped to the current C (:meth:`DPOptimizer.clip`), and C (restored from a
+  checkpoint without a check) must be finite and within ``[adaptive.MIN_CLIP,
+  adaptive.MAX_CLIP]``: both are asserted when the step runs, before any state changes.
 """
 
 from __future__ import annotations
@@ -633,6 +636,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         Raises:
           ValueError: for mismatched gradients/variables or a sensitivity that changes between
             micro-steps.
+          tf.errors.InvalidArgumentError: when the step runs (nothing of the optimizer's state
+            changes), with adaptive clipping: if the bound C (a checkpoint restores it unchecked)
+            is not finite and within ``[MIN_CLIP, MAX_CLIP]``, or ``clipped.l2_sensitivity`` is
+            not C (every micro-batch must be clipped by :meth:`clip`); and for any σ, bound or
+            noise std that fails :func:`dpcore.aggregation.privatize`'s checks.
           ValueError: under a multi-replica strategy, when called outside ``strategy.run``.
           ValueError: inside an XLA-compiled function (its guards are assertions, which XLA
             drops; see :func:`dpcore.validation.check_not_compiled_by_xla`).
@@ -677,8 +685,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "adaptive_clip: clip through DPOptimizer.clip(summary)."
             )
         known = getattr(self, "_sensitivity", None)
-        # With adaptive_clip the bound is the optimizer's own l2_norm_clip variable (clip()).
-        if self.adaptive_clip is None:
+        # With adaptive_clip the bound is the optimizer's own l2_norm_clip variable (clip()),
+        # checked when the step runs (_check_adaptive_bound).
+        bound_checks: list[Any] = []
+        if self.adaptive_clip is not None:
+            bound_checks = self._check_adaptive_bound(clipped.l2_sensitivity)
+        else:
             if known is not None and known != clipped.l2_sensitivity:
                 raise ValueError(
                     f"clipped.l2_sensitivity={clipped.l2_sensitivity} differs from the {known} "
@@ -703,15 +715,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # step for the MLP's 401k-weight kernel on CPU, 3-4x the vectorized test below.)
         grads = [tf.convert_to_tensor(g) for g in grads]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        check = tf.debugging.Assert(
-            finite,
-            [
-                "dpcore: the clipped gradient sum is not finite; the step was not applied. The "
-                "engine drops or refuses non-finite examples before this point, so a clipped sum "
-                "built outside dpcore.engine.summarize is the likely cause"
-            ],
-        )
-        with tf.control_dependencies([check]):
+        with tf.control_dependencies(bound_checks):  # the bound's own message first
+            check = tf.debugging.Assert(
+                finite,
+                [
+                    "dpcore: the clipped gradient sum is not finite; the step was not applied. The "
+                    "engine drops or refuses non-finite examples before this point, so a clipped "
+                    "sum built outside dpcore.engine.summarize is the likely cause"
+                ],
+            )
+        with tf.control_dependencies([check, *bound_checks]):
             grads = [tf.identity(g) for g in grads]
 
         if step_end is not None:
@@ -733,6 +746,40 @@ class DPOptimizer(keras.optimizers.Optimizer):
             raise TypeError("step_noise must come from DPOptimizer.draw_step_noise().")
         with tf.control_dependencies(grads):
             self._update(clipped, grads, variables, step_end, step_noise)
+
+    def _check_adaptive_bound(self, sensitivity: Any) -> list[Any]:
+        """Assertions, run with the step, that the adaptive bound C is finite and within
+        ``[MIN_CLIP, MAX_CLIP]`` (a checkpoint restores it without a check: C = 0 or -1 ran
+        with the floor's noise, C = inf released -inf) and that ``sensitivity``, the bound this
+        micro-batch was clipped to, is C (the noise of the step is scaled to C: a micro-batch
+        clipped to a larger bound would get too little)."""
+        c = tf.convert_to_tensor(self._adaptive_clip_var)
+        in_range = tf.math.is_finite(c) & (c >= adaptive.MIN_CLIP) & (c <= adaptive.MAX_CLIP)
+        range_check = tf.debugging.Assert(
+            in_range,
+            [
+                "dpcore: the adaptive l2_norm_clip must be finite and within [2^-30, 2^60] "
+                "(dpcore.adaptive.MIN_CLIP, MAX_CLIP) when the step runs; the step was not "
+                "applied (was it restored from a corrupted checkpoint?). Got",
+                c,
+            ],
+        )
+        with tf.control_dependencies([range_check]):
+            if isinstance(sensitivity, numbers.Real):  # not through float32
+                sensitivity = tf.constant(float(sensitivity), tf.float64)
+            sensitivity = tf.cast(sensitivity, tf.float64)
+            same_check = tf.debugging.Assert(
+                tf.equal(sensitivity, c),
+                [
+                    "dpcore: clipped.l2_sensitivity",
+                    sensitivity,
+                    "is not the optimizer's adaptive l2_norm_clip",
+                    c,
+                    "; the step was not applied. Clip every micro-batch with "
+                    "DPOptimizer.clip(summary): the step's noise is scaled to that bound",
+                ],
+            )
+        return [range_check, same_check]
 
     def _update(
         self,

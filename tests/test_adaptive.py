@@ -1,5 +1,6 @@
 """Quantile-adaptive clipping: the bound's update, its noise, its accounting and its state."""
 
+import dataclasses
 import math
 
 import dp_accounting
@@ -468,6 +469,76 @@ def test_at_the_floor_of_the_bound_every_release_is_noised():
         step(np.full((b, 1), float(t % 2), "float32"))
         clips.append(clip_of(opt))
     assert min(clips) == adaptive.MIN_CLIP and max(clips) <= adaptive.MAX_CLIP
+
+
+@pytest.mark.parametrize("order", ["larger_bound_first", "larger_bound_last"])
+def test_a_micro_batch_clipped_to_another_bound_fails_the_step(order):
+    """The noise of a step is scaled to the optimizer's C. A micro-batch clipped to 100 while
+    C = 1 (through aggregation.clip rather than DPOptimizer.clip) got noise std 1.02 for a
+    contribution of 50; the fixed-bound optimizer refuses such a step, and the adaptive one now
+    fails it when it runs, before anything of it is accumulated or applied."""
+    var = keras.Variable([0.0])
+    opt = make_opt(
+        lr=1.0, clip=1.0, sigma=1.0, count_stddev=10.0, eta=0.0, expected_batch_size=1,
+        accumulation_steps=2, seed=3,
+    )  # fmt: skip
+    opt.build([var])
+
+    @tf.function
+    def micro(own_bound):
+        summary = fake_summary([[2500.0]], [1.0], var)  # one example of norm 50
+        if own_bound:
+            clipped = opt.clip(summary)
+        else:
+            clipped = aggregation.clip(summary, l2_norm_clip=100.0, count_unclipped=True)
+        opt.apply_clipped_sum(clipped, [var])
+
+    if order == "larger_bound_last":
+        micro(True)
+    before = var.numpy().copy()
+    state = opt.dp_state
+    accumulated = [a.numpy().copy() for a in opt._accumulators]
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"l2_sensitivity\] \[100\] \[is not the optimizer.+s adaptive l2_norm_clip\] \[1\]",
+    ):
+        micro(False)
+    np.testing.assert_array_equal(var.numpy(), before)
+    assert opt.dp_state == state
+    for a, want in zip(opt._accumulators, accumulated):
+        np.testing.assert_array_equal(a.numpy(), want)
+
+
+def test_a_restored_bound_out_of_range_fails_the_step(tmp_path, rng):
+    """C is a variable a checkpoint restores without a check. C = 0 or -1 ran (and the next C was
+    the floor), C = inf released -inf, a C above the ceiling overflows the noise std. The step now
+    fails unless C is finite and within [MIN_CLIP, MAX_CLIP], and nothing of the optimizer's
+    state moves: the weights, C, the released fraction, dp_steps."""
+    x = rng.normal(size=(8, 4)).astype("float32")
+    model, opt = linear_model(), make_opt(lr=1.0, sigma=1.0, count_stddev=2.0, seed=5)
+    step_fn(model, opt)(x)
+    opt._adaptive_clip_var.assign(-1.0)  # what a corrupted or foreign checkpoint holds
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    fresh_model, fresh = linear_model(), make_opt(lr=1.0, sigma=1.0, count_stddev=2.0, seed=5)
+    fresh.build(fresh_model.trainable_variables)
+    tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
+    assert clip_of(fresh) == -1.0
+    step = step_fn(fresh_model, fresh)
+    before = fresh_model.trainable_variables[0].numpy().copy()
+    state = fresh.dp_state
+    fraction = float(fresh.adaptive_logs()["unclipped_fraction"])
+    for bad in (-1.0, 0.0, 2.0**-31, math.inf, math.nan, 2.0**61):
+        fresh._adaptive_clip_var.assign(bad)
+        with pytest.raises(
+            tf.errors.InvalidArgumentError,
+            match=r"adaptive l2_norm_clip must be finite and within \[2\^-30, 2\^60\]",
+        ):
+            step(x)
+        np.testing.assert_array_equal(fresh_model.trainable_variables[0].numpy(), before)
+        assert fresh.dp_state == dataclasses.replace(state, l2_norm_clip=bad) or math.isnan(bad)
+        assert int(fresh.dp_steps) == state.dp_steps
+        assert float(fresh.adaptive_logs()["unclipped_fraction"]) == fraction
 
 
 def test_at_the_ceiling_of_the_bound_the_noise_is_finite():
