@@ -265,9 +265,12 @@ def _documented_draw(seed, n, g):
         + low.astype(np.float32)
         + np.float32(1.0)
     )
-    w = (top + rest * np.float32(2.0**-40)) * np.float32(2.0**-24)
-    radius = tf.sqrt(-2.0 * tf.math.log(tf.constant(w)))
-    angle = tf.constant((angle_bits >> 8).astype(np.float32) * np.float32(2.0 * math.pi * 2.0**-24))
+    w = np.minimum((top + rest * np.float32(2.0**-40)) * np.float32(2.0**-24), 1 - 2**-24)
+    radius = tf.sqrt(-2.0 * tf.math.log(tf.constant(w.astype(np.float32))))
+    angle = tf.constant(
+        ((angle_bits >> 8).astype(np.float32) + np.float32(0.5))
+        * np.float32(2.0 * math.pi * 2.0**-24)
+    )
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0).numpy()[:n]
 
 
@@ -301,7 +304,8 @@ def test_noise_support_reaches_9_4_standard_deviations():
     give. With 23-bit uniforms (``tf.random.stateless_uniform`` float32) that was 5.65, a support
     so narrow that outputs a neighbouring dataset cannot produce had about 2e-4 probability per
     step (PRIVACY.md). The radius now takes 64 bits: all-zero bits give NOISE_RADIUS_MAX = 9.42,
-    all-one bits 0, and no bit pattern gives NaN, Inf or a radius outside [0, 9.42]."""
+    all-one bits the smallest radius 2^-11.5 (never 0: a zero value would release its coordinate
+    without noise), and no bit pattern gives NaN, Inf or a radius outside [2^-11.5, 9.42]."""
     r_max = aggregation.NOISE_RADIUS_MAX
     assert abs(r_max - math.sqrt(128 * math.log(2))) < 1e-12 and r_max > 9.4
     edge = np.array(
@@ -314,18 +318,41 @@ def test_noise_support_reaches_9_4_standard_deviations():
     radius, angle = aggregation._polar_from_bits(as_int32(high), as_int32(low), as_int32(high))
     radius, angle = radius.numpy(), angle.numpy()
     assert np.all(np.isfinite(radius)) and np.all(np.isfinite(angle))
-    assert radius.min() >= 0.0 and radius.max() <= np.float32(r_max) * (1 + 2**-22)
-    assert angle.min() >= 0.0 and angle.max() < np.float32(2 * math.pi) * (1 + 2**-22)
-    # All-zero radius bits: w = 2^-64. All-one bits: w = 1.
+    smallest = math.sqrt(-2.0 * math.log1p(-(2.0**-24)))  # 2^-11.5
+    assert radius.min() >= np.float32(smallest) * (1 - 2**-20)
+    assert radius.max() <= np.float32(r_max) * (1 + 2**-22)
+    assert angle.min() > 0.0 and angle.max() < np.float32(2 * math.pi) * (1 + 2**-22)
+    # All-zero radius bits: w = 2^-64. All-one bits: w = 1 - 2^-24, not 1.
     np.testing.assert_allclose(radius[0], r_max, rtol=1e-6)
-    assert radius[edge.size * edge.size - 1] == 0.0
+    np.testing.assert_allclose(radius[edge.size * edge.size - 1], smallest, rtol=1e-3)
     # The radius is the float64 formula of the 64-bit integer, up to float32 roundings: the tail
     # where w is tiny (high < 2^8) is as fine as the rest.
     k = high.astype(np.float64) * 2.0**32 + low.astype(np.float64)
-    want = np.sqrt(-2.0 * np.log((k + 1.0) * 2.0**-64))
+    want = np.sqrt(-2.0 * np.log(np.minimum((k + 1.0) * 2.0**-64, 1 - 2**-24)))
     tail = high < 2**8
     np.testing.assert_allclose(radius[tail], want[tail], rtol=1e-6)
     np.testing.assert_allclose(radius, want, rtol=1e-3, atol=1e-3)
+
+
+def test_no_noise_value_is_exactly_zero():
+    """A noise value of exactly 0 releases its coordinate of the clipped sum without noise. Before,
+    the angle bits 0 gave sine 0 (2^-24 of the pairs) and a float32 ``w`` rounded to 1 gave radius
+    0 (2^-25 of them): about 2 % of a 500k-weight model's steps released one coordinate
+    un-noised. Every one of the 2^24 angles has a non-zero sine and cosine, and the radius bits
+    that rounded ``w`` to 1 give a non-zero radius; so no bit pattern gives a 0."""
+    top = np.arange(2**24, dtype=np.uint32) << np.uint32(8)
+    ones = np.full(top.size, 2**32 - 1, np.uint32)
+    as_int32 = lambda b: tf.constant(np.asarray(b, np.uint32).view(np.int32))  # noqa: E731
+    radius, angle = aggregation._polar_from_bits(as_int32(ones), as_int32(ones), as_int32(top))
+    assert np.all(radius.numpy() > 0.0)
+    assert np.all(tf.sin(angle).numpy() != 0.0) and np.all(tf.cos(angle).numpy() != 0.0)
+    # The bits that used to round w to 1 (top 24 bits all ones, then t >= 1/2), and their draw.
+    high = np.full(4, 2**32 - 1, np.uint32)
+    low = np.array([2**31, 2**31 + 7, 2**32 - 2, 2**32 - 1], np.uint32)
+    radius, _ = aggregation._polar_from_bits(as_int32(high), as_int32(low), as_int32(np.zeros(4)))
+    assert np.all(radius.numpy() > 0.0)
+    z = aggregation._box_muller(8, seed=tf.constant([1, 2], tf.int64)).numpy()
+    assert np.all(z != 0.0)
 
 
 @pytest.mark.parametrize("seed", [[5, 6], [-3, 2**40]], ids=["int32", "int64"])
