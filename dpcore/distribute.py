@@ -4,9 +4,10 @@ Contract:
 - :func:`worker_info` says how many workers a strategy spans, which one this process is, and
   whether it is the chief (worker 0, or the "chief" task). Any other strategy is one worker.
 - :func:`shared_seed` is a seed drawn from OS entropy on the chief and broadcast to every
-  worker (a variable created under a multi-worker strategy takes the chief's initial value), so
-  all workers draw the same sampling coins without a fixed, guessable seed. Every worker must
-  call it at the same point of the program (it is a collective operation).
+  worker (a variable created under a multi-worker strategy takes the chief's initial value,
+  :func:`chief_value`), so all workers draw the same sampling coins without a fixed, guessable
+  seed. Every worker must call it at the same point of the program (it is a collective
+  operation); :meth:`dpcore.DPOptimizer.fork_noise` takes its new noise seed the same way.
 - :func:`distribute_sampled` feeds a sampler's dataset to ``strategy.run``: under a multi-worker
   strategy each worker's dataset must be its own shard
   (:func:`dpcore.sampling.sharded_poisson_batches`), and each worker's elements go to its one
@@ -31,6 +32,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from dpcore import sampling
@@ -39,6 +41,7 @@ __all__ = [
     "WorkerInfo",
     "any_worker",
     "check_sharding",
+    "chief_value",
     "distribute_sampled",
     "for_replicas",
     "is_chief",
@@ -161,12 +164,28 @@ def shared_seed(strategy: Any = None) -> int:
       The seed decides which examples each step samples; drawn from OS entropy per run it is
       unknown outside the run, as the single-machine sampler's default is.
     """
-    strategy = strategy or tf.distribute.get_strategy()
     entropy = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    return chief_value([entropy], strategy)[0]
+
+
+def chief_value(values: list[int], strategy: Any = None) -> list[int]:
+    """The chief's ``values`` (int64) on every worker of ``strategy``.
+
+    Args:
+      values: this worker's integers (e.g. its own OS entropy).
+      strategy: the run's strategy (default: the current one). Under a multi-worker strategy
+        this is a broadcast: every worker must call it at the same point of the program.
+
+    Returns:
+      The chief's ``values`` (this worker's own on a single-worker strategy).
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    if worker_info(strategy).num_workers == 1:
+        return [int(v) for v in values]
     with strategy.scope():
         # A variable's initial value is broadcast from the chief under a multi-worker strategy.
-        seed = tf.Variable(tf.constant(entropy, tf.int64), trainable=False, name="shared_seed")
-    return int(seed.numpy())
+        shared = tf.Variable(tf.constant(values, tf.int64), trainable=False, name="chief_value")
+    return [int(v) for v in np.ravel(shared.numpy())]
 
 
 def for_replicas(dataset: Any, replicas: int) -> Any:

@@ -15,7 +15,8 @@ Contract:
 - :func:`make_private` builds the :class:`DPOptimizer` when needed and compiles the wrapper.
 - Under a multi-replica ``tf.distribute`` strategy, ``fit``/``evaluate`` pad the sampler's
   batches with masked rows to a multiple of the replicas and copy ``step_end`` to every row, so
-  Keras can split them; the update equals the single-device one (tested with 2 replicas).
+  Keras can split them; the update equals the single-device one (tested with 2 replicas). Construct the :class:`DPOptimizer`
+  (or call :func:`make_private`) inside ``strategy.scope()``: its DP state is created with it.
 - Fed ``(x, y, mask, step_end)`` batches, ``fit`` counts one Keras batch per LOGICAL step (all
   its chunks, up to ``step_end``): an epoch, a ``steps_per_epoch`` limit or a callback's stop can
   only fall between steps, so a step never spans two passes over the data and the optimizer's

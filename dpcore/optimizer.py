@@ -23,7 +23,10 @@ Contract:
   training step traces once.
 - Under a multi-replica ``tf.distribute`` strategy each replica clips its own examples, the clipped
   sums are all-reduced, and every replica adds the same noise (same seed), so noise is added
-  exactly once per global step and normalized by the global ``expected_batch_size``.
+  exactly once per global step and normalized by the global ``expected_batch_size``. The DP state
+  is created when the optimizer is, so it must be constructed inside ``strategy.scope()``: built or
+  used under a strategy whose scope did not create that state (each worker would keep its own
+  seed, each replica would count the steps), the optimizer refuses.
 - The optimizer owns the clip parameters and clips through :meth:`DPOptimizer.clip`; the DP step
   that composes engine, clipping and this optimizer is written once, in :mod:`dpcore.step`.
 - With ``adaptive_clip`` (:mod:`dpcore.adaptive`) C is state too (a float64 variable
@@ -49,7 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 import keras
 import tensorflow as tf
 
-from dpcore import adaptive, aggregation, validation
+from dpcore import adaptive, aggregation, distribute, validation
 from dpcore.adaptive import AdaptiveClip
 from dpcore.aggregation import ClippedSum
 from dpcore.engine.summary import GradientSummary
@@ -316,7 +319,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.accumulation_steps = int(accumulation_steps)
         self.variable_groups = None if variable_groups is None else tuple(variable_groups)
         self._seed_arg = _normalize_seed(seed)
+        # Under a multi-worker strategy a variable's initial value is the chief's: one seed for all.
         initial_seed = self._seed_arg if self._seed_arg is not None else _entropy_seed()
+        # The strategy whose scope creates the DP state below (see _check_strategy).
+        self._state_strategy = tf.distribute.get_strategy()
         self.noise_seed = self.add_variable(
             shape=(2,),
             dtype="int64",
@@ -344,6 +350,31 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self._adaptive_clip_var = self._scalar_state("l2_norm_clip", clip0)
             # The last released (noised) unclipped fraction, for logs.
             self._unclipped_fraction = self._scalar_state("unclipped_fraction", 0.0)
+
+    def _check_strategy(self) -> None:
+        """Refuses to run under a ``tf.distribute`` strategy that did not create the DP state.
+
+        The noise seed, ``dp_steps`` and ``micro_steps`` are created in ``__init__``. Created
+        outside ``strategy.scope()`` they are plain variables: under a multi-worker strategy each
+        worker keeps its own OS-entropy seed and draws its own noise (the all-reduced update then
+        carries noise of std ``σ C / sqrt(W)``), and under several local replicas each replica
+        counts every step (``dp_steps`` doubles, accumulation ends steps at the wrong call).
+
+        Raises:
+          ValueError: under a non-default strategy whose scope did not create the DP state.
+        """
+        if not tf.distribute.has_strategy():
+            return
+        strategy = tf.distribute.get_strategy()
+        state = (self.noise_seed, self.dp_steps, self.micro_steps)
+        if all(strategy.extended.variable_created_in_scope(v.value) for v in state):
+            return
+        raise ValueError(
+            f"this DPOptimizer is used under a {type(strategy).__name__}, but its DP state (noise "
+            "seed, dp_steps) was not created in that strategy's scope: each worker would draw its "
+            "own noise (too little in the sum) and each replica would count every step. Construct "
+            "the optimizer inside `with strategy.scope():` (with the model; make_private too)."
+        )
 
     def _scalar_state(self, name: str, value: float) -> Any:
         """A float64 scalar of DP state (checkpointed; every replica holds the first's value)."""
@@ -422,7 +453,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     # ----------------------------------------------------------------------------- state
     def build(self, var_list: Sequence[Any]) -> None:
-        """Creates one accumulator per variable and builds the inner optimizer."""
+        """Creates one accumulator per variable and builds the inner optimizer.
+
+        Raises:
+          ValueError: under a ``tf.distribute`` strategy whose scope did not create this
+            optimizer (construct it inside ``strategy.scope()``).
+        """
+        self._check_strategy()
         if self.built:
             return
         var_list = list(var_list)
@@ -558,6 +595,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
           Exactly the draw :meth:`apply_clipped_sum` would make at the end of the step (same
           seed, same values); pass it there for the same logical step only.
         """
+        self._check_strategy()
         if self.accumulation_steps != 1:
             return None
         return StepNoise(unit=tuple(aggregation.standard_normal(variables, seed=self.step_seed())))
@@ -584,13 +622,31 @@ class DPOptimizer(keras.optimizers.Optimizer):
         is continued more than once (two fine-tunes from one saved model, a hyper-parameter
         search, a rollback after its steps were released): two continuations would add the same
         noise to different clipped sums, and their difference would be noise-free. Call this
-        after restoring, for every continuation but one.
+        after restoring, for every continuation but one, eagerly (not inside a
+        ``tf.function``, whose trace would fix one seed for every call).
+
+        Under a multi-worker strategy the new seed is the chief's OS entropy, broadcast to every
+        worker (as :func:`dpcore.distribute.shared_seed`): every worker must call this at the
+        same point of the program (a collective operation), as they do when they all run the
+        same program. Workers with seeds of their own would each add independent noise divided
+        by the worker count: the sum would carry noise of std ``σ C / sqrt(W)``.
+
+        Raises:
+          ValueError: inside a ``tf.function``, or under a ``tf.distribute`` strategy whose
+            scope did not create this optimizer.
 
         Privacy:
           Continuations of one checkpoint are separate releases on the same data: their ε
           compose (each continuation's ledger counts only its own steps).
         """
-        self.noise_seed.assign(tf.constant(_entropy_seed(), tf.int64))
+        if tf.inside_function():
+            raise ValueError(
+                "DPOptimizer.fork_noise() must run eagerly: traced, its OS-entropy seed would be "
+                "fixed into the graph and every call would assign the same one."
+            )
+        self._check_strategy()
+        seed = distribute.chief_value(_entropy_seed(), self._state_strategy)
+        self.noise_seed.assign(tf.constant(seed, tf.int64))
 
     def discard_open_step(self) -> int:
         """Drops the micro-batches accumulated towards a logical step that has not ended.
@@ -642,6 +698,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             not C (every micro-batch must be clipped by :meth:`clip`); and for any σ, bound or
             noise std that fails :func:`dpcore.aggregation.privatize`'s checks.
           ValueError: under a multi-replica strategy, when called outside ``strategy.run``.
+          ValueError: under a ``tf.distribute`` strategy whose scope did not create this
+            optimizer (construct it inside ``strategy.scope()``).
           ValueError: inside an XLA-compiled function (its guards are assertions, which XLA
             drops; see :func:`dpcore.validation.check_not_compiled_by_xla`).
 
@@ -651,6 +709,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
           step must be disjoint.
         """
         validation.check_not_compiled_by_xla("DPOptimizer.apply_clipped_sum")
+        self._check_strategy()
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas > 1 and tf.distribute.in_cross_replica_context():
             raise ValueError(

@@ -150,6 +150,15 @@ def dp_step(out):
         result["full_refused"] = False
     except ValueError as e:
         result["full_refused"] = "whole dataset" in str(e)
+    opt.fork_noise()  # every worker, at the same point: the chief's new seed everywhere
+    result["forked_seed"] = [int(s) for s in opt.noise_seed.numpy()]
+    outside = _optimizer(1.0, None)  # each worker's own entropy seed, plain variables
+    try:
+        with STRATEGY.scope():
+            outside.build(_model().trainable_variables)
+        result["outside_refused"] = False
+    except ValueError as e:
+        result["outside_refused"] = "strategy's scope" in str(e)
     _finish(out, info, result)
 
 

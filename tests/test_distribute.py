@@ -7,6 +7,7 @@ forever; the launcher kills every worker at the timeout or when one fails).
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from dpcore_experiments.launch_local import launch
 from dpcore import distribute, sampling
 
 WORKER = str(Path(__file__).with_name("mwms_worker.py"))
+TWO_REPLICAS = str(Path(__file__).with_name("two_replicas.py"))
 
 
 def _report(runs) -> str:
@@ -61,6 +63,28 @@ def test_for_replicas_pads_to_a_multiple_and_copies_step_end():
         assert len(set(end.numpy().tolist())) == 1
 
 
+@pytest.fixture(scope="module")
+def two_replicas() -> dict:
+    """tests/two_replicas.py's measurements (one subprocess: 2 logical CPUs)."""
+    out = subprocess.run(
+        [sys.executable, TWO_REPLICAS], capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, out.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+@pytest.mark.slow
+def test_an_optimizer_constructed_outside_the_strategy_scope_is_refused(two_replicas):
+    """Its DP state would be plain variables: each replica counted every step (dp_steps 6
+    after 3 steps with fit; with accumulation_steps=2 no update ever applied), and under several
+    workers each drew its own noise. Refused at build (fit) or at the step (custom loop)."""
+    for part in ("outside_fit", "outside_loop"):
+        error = two_replicas[part].get("error", "")
+        assert "not created in that strategy's scope" in error, two_replicas[part]
+        assert "inside `with strategy.scope():`" in error
+
+
 @pytest.mark.slow
 def test_dp_step_on_two_workers_matches_one_process(tmp_path):
     """Custom loop (strategy.run of dp_train_step) on 2 workers over the sharded sampler."""
@@ -83,6 +107,10 @@ def test_dp_step_on_two_workers_matches_one_process(tmp_path):
         # The sample std of n standard normals is within 5/sqrt(2n) of 1 but for ~3e-7.
         assert abs(std - target) < 5 * target / math.sqrt(2 * n)
     assert w0["full_refused"] and w1["full_refused"]
+    # fork_noise takes the chief's new seed on every worker (each used to keep its own entropy:
+    # noise std σ C / sqrt(2) in the sum), and an optimizer made outside the scope is refused.
+    assert w0["forked_seed"] == w1["forked_seed"] != w0["sigma1"]["noise_seed"]
+    assert w0["outside_refused"] and w1["outside_refused"]
 
 
 @pytest.mark.slow
