@@ -60,10 +60,8 @@ def _unpack(data: Any) -> tuple[Any, Any, Any, Any, Any]:
     """``(x, y, sample_weight, mask, step_end)`` from any accepted batch layout."""
     batch = sampling.as_sampled_batch(data)
     if batch is not None:
-        step_end = batch.step_end
-        if step_end.shape.rank == 1:  # per-row copy (multi-replica)
-            step_end = tf.reduce_any(tf.cast(step_end, tf.bool))
-        return batch.x, batch.y, None, batch.mask, step_end
+        # A copy per row after multi-replica splitting: dp_step folds it back to one flag.
+        return batch.x, batch.y, None, batch.mask, batch.step_end
     if isinstance(data, list):
         data = tuple(data)
     if not isinstance(data, tuple) or len(data) not in (2, 3) or data[1] is None:

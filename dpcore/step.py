@@ -95,6 +95,10 @@ def dp_step(
             "noise_multiplier=..., expected_batch_size=...)."
         )
     validation.check_not_compiled_by_xla("dpcore's DP step")
+    if step_end is not None:
+        step_end = tf.convert_to_tensor(step_end)
+        if step_end.shape.rank == 1:  # a copy per row (dpcore.distribute.for_replicas)
+            step_end = tf.reduce_any(tf.cast(step_end, tf.bool))
     variables = list(model.trainable_variables)
     # Data-independent: drawn first, so that it overlaps the forward and backward passes.
     step_noise = optimizer.draw_step_noise(variables)
@@ -158,7 +162,9 @@ def dp_train_step(
       sample_weight: optional ``[B]`` loss weights.
       mask: optional ``[B]`` 0/1; 0 marks padding (the sampler's mask). An all-masked or empty
         batch is a valid step: noise only.
-      step_end: optional bool: True on the last chunk of a logical step (the sampler's flag).
+      step_end: optional bool: True on the last chunk of a logical step (the sampler's flag),
+        or its copy per row (``[B]``) that :func:`dpcore.distribute.distribute_sampled` hands
+        each replica; the step folds it back to one flag.
       options: how to compute (:class:`dpcore.ExecutionOptions`: engine path, training mode,
         chunking, non-finite handling, input gradients, layer rules); defaults when None.
 

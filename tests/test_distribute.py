@@ -86,6 +86,17 @@ def test_an_optimizer_constructed_outside_the_strategy_scope_is_refused(two_repl
 
 
 @pytest.mark.slow
+def test_the_custom_loop_over_distribute_sampled_runs_on_two_replicas(two_replicas):
+    """distribute_sampled hands each replica a copy of step_end per row; dp_train_step folds it
+    (it used to refuse it: "step_end must be a bool scalar"). Same update as one device."""
+    multi, single = two_replicas["loop_replicas"], two_replicas["loop_single"]
+    assert "error" not in multi, multi["error"] if "error" in multi else None
+    assert multi["dp_steps"] == single["dp_steps"] == 3
+    assert np.abs(single["delta"]).max() > 0.05
+    np.testing.assert_allclose(multi["delta"], single["delta"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_dp_step_on_two_workers_matches_one_process(tmp_path):
     """Custom loop (strategy.run of dp_train_step) on 2 workers over the sharded sampler."""
     w0, w1 = _run_workers("dp_step", tmp_path)

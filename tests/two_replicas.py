@@ -21,7 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dpcore  # noqa: E402
-from dpcore import sampling  # noqa: E402
+from dpcore import distribute, sampling  # noqa: E402
 
 STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 LOSS = keras.losses.MeanSquaredError(reduction=None)
@@ -77,10 +77,33 @@ def outside_loop():
     return {"dp_steps": int(opt.dp_steps.numpy())}
 
 
+def custom_loop(strategy):
+    """The README's custom loop: strategy.run(dp_train_step) over distribute_sampled."""
+    with strategy.scope():
+        model = _dense()
+        opt = _optimizer(4.0)
+        opt.build(model.trainable_variables)
+    w0 = _weights(model)
+
+    @tf.function
+    def step(batch):
+        def one(x, y, mask, end):
+            return dpcore.dp_train_step(model, LOSS, x, y, optimizer=opt, mask=mask, step_end=end)
+
+        strategy.run(one, args=tuple(batch))
+
+    data = sampling.poisson_batches(X, Y, sampling_prob=0.25, steps=3, seed=0)
+    for batch in distribute.distribute_sampled(strategy, data):
+        step(batch)
+    return {"delta": (_weights(model) - w0).tolist(), "dp_steps": int(opt.dp_steps.numpy())}
+
+
 def main():
     parts = {
         "outside_fit": outside_fit,
         "outside_loop": outside_loop,
+        "loop_replicas": lambda: custom_loop(STRATEGY),
+        "loop_single": lambda: custom_loop(tf.distribute.get_strategy()),
     }
     result = {}
     for name, part in parts.items():
