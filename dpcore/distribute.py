@@ -12,8 +12,11 @@ Contract:
   strategy each worker's dataset must be its own shard
   (:func:`dpcore.sampling.sharded_poisson_batches`), and each worker's elements go to its one
   replica unchanged (no auto-sharding, no re-batching); under a single-worker strategy the
-  batches are padded with masked rows and split across the local replicas
-  (:func:`for_replicas`). Either way every replica clips its own rows and
+  batches are padded with masked rows (whole units of ``group_size`` rows) and split across the
+  local replicas (:func:`for_replicas`). Data in privacy units of several rows
+  (:func:`dpcore.units.unit_batches`) is refused unless the caller passes the step's
+  ``ExecutionOptions`` with the data's ``group_size``. Either way every replica clips its own
+  rows and
   :class:`dpcore.DPOptimizer` all-reduces the clipped sums and adds the noise once per global
   step, divided by the global ``expected_batch_size``.
 - Only the chief keeps run outputs (ε ledgers, results, checkpoints): every worker runs the
@@ -36,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore import sampling
+from dpcore.options import ExecutionOptions
 
 __all__ = [
     "WorkerInfo",
@@ -188,32 +192,45 @@ def chief_value(values: list[int], strategy: Any = None) -> list[int]:
     return [int(v) for v in np.ravel(shared.numpy())]
 
 
-def for_replicas(dataset: Any, replicas: int) -> Any:
+def for_replicas(dataset: Any, replicas: int, *, group_size: int | None = None) -> Any:
     """The sampler's ``(x, y, mask, step_end)`` dataset, made splittable across local replicas.
 
     A multi-replica strategy splits every component of a batch along its rows, so ``step_end``
-    is copied to every row (as float32; :func:`dpcore.sampling.as_sampled_batch` consumers fold
-    it back) and the batch is padded with masked rows to a multiple of ``replicas``, so that
-    every replica gets the same number of rows (at least one; padding is data-independent).
-    Other inputs are returned unchanged.
+    is copied to every row (as float32; :func:`dpcore.step.dp_step` and the other
+    :func:`dpcore.sampling.as_sampled_batch` consumers fold it back) and the batch is padded
+    with masked rows to a multiple of ``replicas * group_size``, so that every replica gets the
+    same number of rows (at least one unit) and no replica's share cuts a privacy unit of
+    ``group_size`` rows in two (padding is data-independent). Other inputs are returned
+    unchanged.
+
+    Args:
+      dataset: the sampler's dataset (anything else is returned as it is).
+      replicas: the strategy's replicas in sync.
+      group_size: K, the rows of one privacy unit (``ExecutionOptions(group_size=K)``); None
+        takes it from the dataset's :class:`~dpcore.sampling.SamplingSpec` (1 without one).
 
     Privacy:
       Only the layout changes: the added rows have mask 0 (they contribute nothing) and their
-      number depends on the static batch size and ``replicas`` alone; the copied ``step_end``
-      makes every replica end the same logical step, so the noise is still added once per step.
+      number depends on the static batch size, ``replicas`` and ``group_size`` alone; units
+      stay whole (each replica's rows start at a multiple of K); the copied ``step_end`` makes
+      every replica end the same logical step, so the noise is still added once per step.
     """
     if replicas <= 1 or not isinstance(dataset, tf.data.Dataset):
         return dataset
-    spec = sampling.as_sampled_batch(dataset.element_spec)
-    if spec is None or spec.step_end.shape.rank != 0:
+    if group_size is None:
+        spec = sampling.sampling_spec(dataset)
+        group_size = 1 if spec is None else spec.group_size
+    element = sampling.as_sampled_batch(dataset.element_spec)
+    if element is None or element.step_end.shape.rank != 0:
         return dataset
-    rows = spec.mask.shape[0]
+    rows = element.mask.shape[0]
     if rows is None:
         raise ValueError(
             "a (x, y, mask, step_end) dataset under a multi-replica strategy needs a static "
             "batch size; use dpcore.sampling's batches (fixed padded_batch_size)."
         )
-    extra = -rows % replicas if rows >= replicas else replicas - rows
+    multiple = replicas * int(group_size)
+    extra = -rows % multiple if rows >= multiple else multiple - rows
 
     def pad(t: tf.Tensor) -> tf.Tensor:
         return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
@@ -261,27 +278,65 @@ def check_sharding(dataset: Any, strategy: Any = None) -> None:
     spec.check_workers(info.num_workers, info.worker_index)
 
 
-def distribute_sampled(strategy: Any, dataset: tf.data.Dataset) -> Any:
+def distribute_sampled(
+    strategy: Any, dataset: tf.data.Dataset, *, options: ExecutionOptions | None = None
+) -> Any:
     """A sampler's dataset as ``strategy``'s distributed dataset (see the module contract).
 
     Args:
       strategy: the ``tf.distribute`` strategy of the run.
       dataset: this worker's ``(x, y, mask, step_end)`` dataset; under a multi-worker strategy
         its shard from :func:`dpcore.sampling.sharded_poisson_batches`.
+      options: the :class:`dpcore.ExecutionOptions` the step will run with (those passed to
+        :func:`dpcore.dp_train_step`). Required for data in privacy units of several rows
+        (:func:`dpcore.units.unit_batches`), whose ``group_size`` they must match; the
+        batches are then padded in whole units (:func:`for_replicas`).
 
     Returns:
       A distributed dataset whose elements are ``strategy.run`` arguments.
 
     Raises:
-      ValueError: see :func:`check_sharding`.
+      ValueError: see :func:`check_sharding`; for units of ``K > 1`` rows when ``options`` is
+        not given or its ``group_size`` is not K; for ``options.group_size > 1`` on data
+        without a :class:`~dpcore.sampling.SamplingSpec`.
 
     Privacy:
       Each example is in at most one replica's rows of a step (disjoint shards, or the rows of
-      one batch split across local replicas).
+      one batch split across local replicas). A unit of K rows is clipped as one only by a step
+      with ``ExecutionOptions(group_size=K)``: clipped row by row, removing it would move the
+      clipped sum by up to K C while the noise is scaled to C, so units are refused unless the
+      caller states that group size here.
     """
     check_sharding(dataset, strategy)
+    group_size = _check_group_size(dataset, options)
     if worker_info(strategy).num_workers > 1:
         return strategy.distribute_datasets_from_function(lambda _: dataset)
     return strategy.experimental_distribute_dataset(
-        for_replicas(dataset, strategy.num_replicas_in_sync)
+        for_replicas(dataset, strategy.num_replicas_in_sync, group_size=group_size)
     )
+
+
+def _check_group_size(dataset: Any, options: ExecutionOptions | None) -> int:
+    """The rows per unit that the data and the step's ``options`` agree on (see
+    :func:`distribute_sampled`)."""
+    spec = sampling.sampling_spec(dataset)
+    if options is None:
+        if spec is not None and spec.group_size > 1:
+            raise ValueError(
+                f"the data comes in privacy units of {spec.group_size} rows "
+                "(dpcore.units.unit_batches), which the step must clip as one: pass "
+                f"options=ExecutionOptions(group_size={spec.group_size}) to dp_train_step and "
+                f"the same options to distribute_sampled(..., options=...)."
+            )
+        return 1 if spec is None else spec.group_size
+    k = options.group_size
+    if spec is not None:
+        spec.check_group_size(k)
+    elif k > 1 and sampling.as_sampled_batch(getattr(dataset, "element_spec", None)) is not None:
+        raise ValueError(
+            f"ExecutionOptions(group_size={k}) on (x, y, mask, step_end) batches that carry no "
+            "SamplingSpec: whether their chunks keep each unit's rows together is unknown. Feed "
+            "dpcore.units.unit_batches(...) as returned, or re-attach its spec after a "
+            "per-element .map (dpcore.sampling.with_sampling_spec)."
+        )
+    return k

@@ -14,8 +14,9 @@ Contract:
   model is wrapped and again when the step is traced (see :mod:`dpcore.validation`).
 - :func:`make_private` builds the :class:`DPOptimizer` when needed and compiles the wrapper.
 - Under a multi-replica ``tf.distribute`` strategy, ``fit``/``evaluate`` pad the sampler's
-  batches with masked rows to a multiple of the replicas and copy ``step_end`` to every row, so
-  Keras can split them; the update equals the single-device one (tested with 2 replicas). Construct the :class:`DPOptimizer`
+  batches with masked rows to a multiple of the replicas (times ``group_size``: every replica
+  gets whole units) and copy ``step_end`` to every row, so Keras can split them; the update
+  equals the single-device one (tested with 2 replicas). Construct the :class:`DPOptimizer`
   (or call :func:`make_private`) inside ``strategy.scope()``: its DP state is created with it.
 - Fed ``(x, y, mask, step_end)`` batches, ``fit`` counts one Keras batch per LOGICAL step (all
   its chunks, up to ``step_end``): an epoch, a ``steps_per_epoch`` limit or a callback's stop can
@@ -315,8 +316,9 @@ class DPModel(keras.Model):
 
         The sampler's ``(x, y, mask, step_end)`` batches also work under a multi-replica
         ``tf.distribute`` strategy: each batch is padded with masked rows to a multiple of the
-        replicas and split across them; every replica clips its rows and the clipped sums are
-        all-reduced before the one noise draw of the step (see :class:`DPOptimizer`).
+        replicas (times ``group_size``, so that units stay whole) and split across them; every
+        replica clips its rows and the clipped sums are all-reduced before the one noise draw of
+        the step (see :class:`DPOptimizer`).
 
         The Poisson sampler's dataset has no known length (overflow chunks, astronomically rare,
         add elements), so an epoch ends when it is exhausted. Keras then warns "Your input ran
@@ -381,7 +383,8 @@ class DPModel(keras.Model):
         steps_given = arguments.get("steps_per_epoch") is not None
         self._build_compiled_state(x)
         self._whole_steps = masked
-        arguments["x"] = distribute.for_replicas(x, replicas)
+        # Whole units per replica: the spec (which .filter above dropped) agrees with the model.
+        arguments["x"] = distribute.for_replicas(x, replicas, group_size=self.options.group_size)
         try:
             with _quiet_end_of_data(x, steps_given):
                 return super().fit(**arguments)

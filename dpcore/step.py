@@ -166,7 +166,10 @@ def dp_train_step(
         or its copy per row (``[B]``) that :func:`dpcore.distribute.distribute_sampled` hands
         each replica; the step folds it back to one flag.
       options: how to compute (:class:`dpcore.ExecutionOptions`: engine path, training mode,
-        chunking, non-finite handling, input gradients, layer rules); defaults when None.
+        chunking, non-finite handling, input gradients, layer rules, rows per privacy unit);
+        defaults when None. On :func:`dpcore.units.unit_batches` data of K rows per unit,
+        ``group_size=K``, and give the same options to
+        :func:`dpcore.distribute.distribute_sampled`, which checks them against the data.
 
     Returns:
       The mean per-example loss of the real examples, or ``(loss, input_gradients)`` with

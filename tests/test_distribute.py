@@ -16,7 +16,8 @@ import pytest
 import tensorflow as tf
 from dpcore_experiments.launch_local import launch
 
-from dpcore import distribute, sampling
+import dpcore
+from dpcore import distribute, sampling, units
 
 WORKER = str(Path(__file__).with_name("mwms_worker.py"))
 TWO_REPLICAS = str(Path(__file__).with_name("two_replicas.py"))
@@ -63,6 +64,54 @@ def test_for_replicas_pads_to_a_multiple_and_copies_step_end():
         assert len(set(end.numpy().tolist())) == 1
 
 
+def _units(padded_units=3):
+    """unit_batches over 3 units of 2 rows, 3 unit slots (6 rows) per element."""
+    x, y = np.ones((6, 2), "float32"), np.zeros(6, "int32")
+    return units.unit_batches(
+        x,
+        y,
+        unit_ids=np.repeat(np.arange(3), 2),
+        sampling_prob=1.0,
+        steps=1,
+        max_rows_per_unit=2,
+        padded_units=padded_units,
+        seed=0,
+    )
+
+
+def test_for_replicas_pads_units_of_several_rows_to_whole_units_per_replica():
+    """3 unit slots of 2 rows on 2 replicas: padded to 8 rows (4 per replica, whole units),
+    not 6 (3 per replica, which cut the second unit in two)."""
+    data = _units()
+    untagged = data.filter(lambda *element: True)  # what DPModel.fit hands on: no spec
+    for padded in (
+        distribute.for_replicas(data, 2),
+        distribute.for_replicas(untagged, 2, group_size=2),
+    ):
+        for batch in padded.take(1):
+            assert batch.mask.shape[0] == 8
+            np.testing.assert_array_equal(batch.mask.numpy(), [1, 1, 1, 1, 1, 1, 0, 0])
+
+
+def test_distribute_sampled_refuses_units_unless_the_step_clips_them_whole():
+    """Units of 2 rows fed to a custom loop whose step clips rows one by one would let one unit
+    move the clipped sum by up to 2 C: refused unless the step's options say group_size=2."""
+    strategy = tf.distribute.get_strategy()
+    data = _units()
+    with pytest.raises(
+        ValueError, match=r"options=ExecutionOptions\(group_size=2\) to dp_train_step"
+    ):
+        distribute.distribute_sampled(strategy, data)
+    with pytest.raises(ValueError, match=r"use options=ExecutionOptions\(group_size=2\)"):
+        distribute.distribute_sampled(strategy, data, options=dpcore.ExecutionOptions())
+    untagged = data.filter(lambda *element: True)
+    with pytest.raises(ValueError, match="carry no SamplingSpec"):
+        distribute.distribute_sampled(
+            strategy, untagged, options=dpcore.ExecutionOptions(group_size=2)
+        )
+    distribute.distribute_sampled(strategy, data, options=dpcore.ExecutionOptions(group_size=2))
+
+
 @pytest.fixture(scope="module")
 def two_replicas() -> dict:
     """tests/two_replicas.py's measurements (one subprocess: 2 logical CPUs)."""
@@ -94,6 +143,19 @@ def test_the_custom_loop_over_distribute_sampled_runs_on_two_replicas(two_replic
     assert multi["dp_steps"] == single["dp_steps"] == 3
     assert np.abs(single["delta"]).max() > 0.05
     np.testing.assert_allclose(multi["delta"], single["delta"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_units_on_two_replicas_fit_and_one_unit_moves_the_clipped_sum_by_at_most_c(two_replicas):
+    """K = 2 rows per unit in 3 slots on 2 replicas: fit pads to whole units per replica (it
+    used to split 6 rows 3 + 3, cutting a unit, and the engine refused the batch), and removing
+    the unit that straddled the replicas moves the clipped sum by at most C = 1."""
+    full, less = two_replicas["units_all"], two_replicas["units_without_1"]
+    assert "error" not in full and "error" not in less, (full, less)
+    assert full["dp_steps"] == less["dp_steps"] == 1
+    moved = float(np.linalg.norm(np.subtract(full["sum"], less["sum"])))
+    # Every unit is clipped (inputs ~100): its contribution is C up to float32 rounding.
+    assert 0.99 <= moved <= 1.0 + 1e-5
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dpcore  # noqa: E402
-from dpcore import distribute, sampling  # noqa: E402
+from dpcore import distribute, sampling, units  # noqa: E402
 
 STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 LOSS = keras.losses.MeanSquaredError(reduction=None)
@@ -98,12 +98,41 @@ def custom_loop(strategy):
     return {"delta": (_weights(model) - w0).tolist(), "dp_steps": int(opt.dp_steps.numpy())}
 
 
+def unit_fit(keep):
+    """fit on units of K = 2 rows in 3 slots (not a multiple of the 2 replicas), q = 1, σ = 0,
+    learning rate 1: the update times the expected batch size is the clipped sum."""
+    ids = np.repeat(np.arange(3), 2)
+    rows = np.isin(ids, keep)
+    data = units.unit_batches(
+        X[:6][rows],
+        Y[:6][rows],
+        unit_ids=ids[rows],
+        sampling_prob=1.0,
+        steps=1,
+        max_rows_per_unit=2,
+        padded_units=3,
+        seed=0,
+    )
+    with STRATEGY.scope():
+        model = dpcore.DPModel(_dense(), options=dpcore.ExecutionOptions(group_size=2))
+        model.compile(optimizer=_optimizer(float(len(keep))), loss="mse")
+    w0 = _weights(model.model)
+    model.fit(data, verbose=0)
+    return {
+        "sum": ((w0 - _weights(model.model)) * len(keep)).tolist(),
+        "dp_steps": int(model.optimizer.dp_steps.numpy()),
+    }
+
+
 def main():
     parts = {
         "outside_fit": outside_fit,
         "outside_loop": outside_loop,
         "loop_replicas": lambda: custom_loop(STRATEGY),
         "loop_single": lambda: custom_loop(tf.distribute.get_strategy()),
+        # Unit 1 is the one a layout of 3 rows per replica cut in two.
+        "units_all": lambda: unit_fit([0, 1, 2]),
+        "units_without_1": lambda: unit_fit([0, 2]),
     }
     result = {}
     for name, part in parts.items():
