@@ -98,7 +98,16 @@ def dp_step(
     if step_end is not None:
         step_end = tf.convert_to_tensor(step_end)
         if step_end.shape.rank == 1:  # a copy per row (dpcore.distribute.for_replicas)
-            step_end = tf.reduce_any(tf.cast(step_end, tf.bool))
+            end = tf.cast(step_end, tf.bool)
+            # One flag copied, never a mix: a mix would end the sampler's step part-way.
+            uniform = tf.debugging.assert_equal(
+                tf.reduce_any(end),
+                tf.reduce_all(end),
+                message="dpcore: step_end per row must hold one value (the sampler's flag, "
+                "copied to every row); the step was not applied",
+            )
+            with tf.control_dependencies([uniform]):
+                step_end = tf.identity(tf.reduce_any(end))
     variables = list(model.trainable_variables)
     # Data-independent: drawn first, so that it overlaps the forward and backward passes.
     step_noise = optimizer.draw_step_noise(variables)
@@ -163,8 +172,9 @@ def dp_train_step(
       mask: optional ``[B]`` 0/1; 0 marks padding (the sampler's mask). An all-masked or empty
         batch is a valid step: noise only.
       step_end: optional bool: True on the last chunk of a logical step (the sampler's flag),
-        or its copy per row (``[B]``) that :func:`dpcore.distribute.distribute_sampled` hands
-        each replica; the step folds it back to one flag.
+        or its copy per row (``[B]``, all equal) that
+        :func:`dpcore.distribute.distribute_sampled` hands each replica; the step folds it
+        back to one flag and fails, before any update, on a copy whose rows disagree.
       options: how to compute (:class:`dpcore.ExecutionOptions`: engine path, training mode,
         chunking, non-finite handling, input gradients, layer rules, rows per privacy unit);
         defaults when None. On :func:`dpcore.units.unit_batches` data of K rows per unit,

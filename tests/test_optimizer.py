@@ -159,7 +159,10 @@ def test_step_input_errors_before_any_update(rng):
     with pytest.raises(ValueError, match="no trainable variables"):
         dp_train_step(frozen, LOSS, x, y, optimizer=opt)
     with pytest.raises(ValueError, match="step_end"):
-        dp_train_step(model, LOSS, x, y, optimizer=opt, step_end=np.ones(6, bool))
+        dp_train_step(model, LOSS, x, y, optimizer=opt, step_end=np.ones((6, 1), bool))
+    # One flag per row is the multi-replica copy of one flag: rows that disagree fail the step.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="step_end per row"):
+        dp_train_step(model, LOSS, x, y, optimizer=opt, step_end=np.arange(6) == 5)
     with pytest.raises(ValueError, match="accumulation_steps=2"):
         dp_train_step(model, LOSS, x, y, optimizer=make_opt(accumulation_steps=2), step_end=True)
     for w, v in zip(w0, model.trainable_variables):
