@@ -565,6 +565,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Refuses raw gradients; see :meth:`apply`."""
         self.apply(None)
 
+    @tf.autograph.experimental.do_not_convert
     def clip(self, summary: GradientSummary) -> ClippedSum:
         """Clips a batch's per-example gradients with this optimizer's bound(s).
 
@@ -583,6 +584,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             summary, l2_norm_clip=self.l2_norm_clip, variable_groups=self.variable_groups
         )
 
+    @tf.autograph.experimental.do_not_convert
     def draw_step_noise(self, variables: Sequence[Any]) -> StepNoise | None:
         """The current logical step's standard normal draw, to be made before the forward pass.
 
@@ -669,6 +671,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self.micro_steps.assign(0)
         return pending
 
+    @tf.autograph.experimental.do_not_convert
     def apply_clipped_sum(
         self,
         clipped: ClippedSum,
