@@ -753,6 +753,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self.adaptive_clip is not None:
             bound_checks = self._check_adaptive_bound(clipped.l2_sensitivity)
         else:
+            if not isinstance(clipped.l2_sensitivity, numbers.Real) or isinstance(
+                clipped.l2_sensitivity, bool
+            ):
+                # A tensor bound could change between the micro-batches of one step while the
+                # noise follows the last one; a fixed-clip optimizer's own clip() gives a number.
+                raise ValueError(
+                    "clipped.l2_sensitivity must be a Python number for an optimizer without "
+                    f"adaptive_clip (got {type(clipped.l2_sensitivity).__name__}): clip through "
+                    "DPOptimizer.clip(summary), or aggregation.clip with a Python l2_norm_clip."
+                )
             if known is not None and known != clipped.l2_sensitivity:
                 raise ValueError(
                     f"clipped.l2_sensitivity={clipped.l2_sensitivity} differs from the {known} "

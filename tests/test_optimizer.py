@@ -551,6 +551,16 @@ def test_apply_clipped_sum_rejects_changed_sensitivity():
     opt.apply_clipped_sum(clipped(1.0), variables)
     with pytest.raises(ValueError, match="l2_sensitivity"):
         opt.apply_clipped_sum(clipped(2.0), variables)
+    # A tensor bound could change between micro-batches at run time, which no trace-time
+    # comparison sees, while the noise follows the last one: refused without adaptive_clip.
+    before = [v.numpy().copy() for v in variables]
+    for bound in (tf.constant(1.0, tf.float64), tf.Variable(1.0, dtype=tf.float64)):
+        with pytest.raises(ValueError, match="must be a Python number"):
+            opt.apply_clipped_sum(clipped(bound), variables)
+        with pytest.raises(ValueError, match="must be a Python number"):
+            tf.function(lambda b=bound: opt.apply_clipped_sum(clipped(b), variables))()
+    for v, b in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
 
 
 def _with_entries(variables, entries):
