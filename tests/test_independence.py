@@ -134,6 +134,70 @@ def test_mixing_of_token_ids_before_the_embedding_is_found():
         engine.summarize(model, "mse", x, Y, options=ExecutionOptions(method="fast"))
 
 
+def _scaled_by_batch_max() -> keras.Model:
+    counts = keras.Input((5,), dtype="int32")
+    h = keras.layers.Lambda(
+        lambda c: (
+            keras.ops.cast(c, "float32")
+            / keras.ops.cast(keras.ops.maximum(keras.ops.max(c), 1), "float32")
+        ),
+        name="scale",
+    )(counts)
+    return keras.Model(counts, keras.layers.Dense(1)(keras.layers.Dense(4)(h)))
+
+
+def _any_over_the_batch() -> keras.Model:
+    flags = keras.Input((4,), dtype="bool")
+    present = keras.layers.Lambda(
+        lambda b: (
+            keras.ops.cast(keras.ops.any(b, axis=0, keepdims=True), "float32")
+            * (keras.ops.cast(b, "float32") - 1.0)
+        ),
+        name="present",
+    )(flags)
+    return keras.Model(flags, keras.layers.Dense(1)(keras.layers.Dense(4)(present)))
+
+
+def _float_max_over_the_batch() -> keras.Model:
+    return _between(
+        keras.layers.Lambda(
+            lambda h: h / (keras.ops.max(keras.ops.abs(h), axis=0, keepdims=True) + 1.0),
+            name="maxscale",
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "build, x",
+    [
+        (_scaled_by_batch_max, RNG.integers(0, 10, size=(4, 5)).astype("int32")),
+        (_any_over_the_batch, RNG.random((4, 4)) < 0.5),
+        (_float_max_over_the_batch, X),
+    ],
+    ids=["int counts over the batch maximum", "bool any over the batch", "float maximum"],
+)
+def test_a_maximum_or_any_over_the_batch_is_found(build, x):
+    """Rows that only ever moved one way (integers 1 -> 0, floats by a random amount) left a
+    maximum or an "any" over the batch in place: the first model moved the clipped sum by 4.2 C
+    when one record was removed. Three bases (integers from 0 up to 1, from 1 down to 0 and from
+    1 up to 2; floats past every value of their tensor) now move it."""
+    with pytest.raises(ValueError, match="mixes examples"):
+        engine.summarize(build(), "mse", x, Y, options=ExecutionOptions(method="fast"))
+
+
+def test_a_layer_without_weights_added_after_a_step_is_probed_again():
+    """The cache held the model, loss, variables and signatures only: a centring layer added to
+    a Sequential after its first step kept the cached "verified" (1.2 C through the fast path)."""
+    d1, d2 = keras.layers.Dense(8, name="d1"), keras.layers.Dense(1, name="d2")
+    model = keras.Sequential([keras.Input((3,)), d1, d2])
+    engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
+    model.pop()
+    model.add(_centre())
+    model.add(d2)
+    with pytest.raises(ValueError, match="downstream of layer 'd1'"):
+        engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
+
+
 def test_the_probe_names_the_last_layer_before_the_mixing():
     inputs = keras.Input((3,))
     h = keras.layers.Dense(6, name="a")(inputs)

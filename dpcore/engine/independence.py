@@ -26,17 +26,26 @@ so Dropout draws the same masks in every call):
    two directions: the other examples' losses must stay bit for bit the same, else the loss
    mixes examples.
 
-Changing a row: floating entries move by ``(|v| + 1) * N(0, 1)``, integers become 0, booleans
-flip. Synthetic rows: floating leaves are standard normal, integer leaves are all 1 (a valid
-token, segment or class id for any vocabulary of two or more), boolean leaves all ``True``; an
-unknown non-batch dimension is 4 everywhere, so inputs and labels of one length stay alike.
+Changing a row: floating entries move past every value of their tensor
+(``±(max |x| + 1) (2 + |N(0, 1)|)``), integers move by one, booleans flip. All of it runs from
+three bases of synthetic rows, so that a maximum, minimum, "any" or "all" over the batch moves
+too: integers all 0 moved up (floats up), integers all 1 moved down (floats down), integers all
+1 moved up to 2 (skipped where 2 is not a valid id, e.g. a segment id of a vocabulary of two).
+Floating leaves are standard normal; booleans start as the integers' ``bool``; an unknown
+non-batch dimension is 4 everywhere, so inputs and labels of one length stay alike.
+
+It is a probe, not a proof: mixing that happens only for particular values stays unseen, e.g. a
+layer that imputes a sentinel (``-1``) with the batch mean, or a loss normalised by the number of
+labels in the batch that are not an "ignore" value (``-100``), or by a count of positions a
+``Masking(0.0)`` keeps. Such models and losses mix examples and are outside the contract.
 
 :func:`check_rows_independent` raises on mixing. When the probe cannot run (an input the
 synthetic rows do not fit, a layer that fails eagerly) or the model or loss is not deterministic
 (e.g. unseeded ``tf.random`` inside a layer), it returns the reason instead: the fast path then
 computes the whole model by the vectorized path, which builds each example's gradient from that
-example alone. Results are cached per model, loss object, input and label signature, mode and
-variables, so inside a ``tf.function`` the probe runs when the step is traced.
+example alone. Results are cached per model, loss object, layers (a layer without weights added
+to a ``Sequential`` changes the model), variables, input and label signature and mode, so inside
+a ``tf.function`` the probe runs when the step is traced.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from dpcore import validation
 from dpcore.engine import graph
 
 __all__ = ["check_rows_independent", "mixing_probe"]
@@ -65,7 +75,9 @@ def _static_dims(tree: Any) -> set[int]:
     return dims
 
 
-def _synthetic(tree: Any, rows: int, rng: np.random.Generator) -> Any:
+def _synthetic(tree: Any, rows: int, rng: np.random.Generator, *, fill: int) -> Any:
+    """Rows of standard normals (floating leaves), of ``fill`` (integers) or ``bool(fill)``."""
+
     def leaf(t: Any) -> Any:
         if t is None or not (tf.is_tensor(t) or hasattr(t, "shape")):
             return t
@@ -74,8 +86,8 @@ def _synthetic(tree: Any, rows: int, rng: np.random.Generator) -> Any:
         if dtype.is_floating:
             return tf.cast(rng.standard_normal(shape), dtype)
         if dtype.is_bool:
-            return tf.ones(shape, tf.bool)
-        return tf.ones(shape, dtype)
+            return tf.fill(shape, bool(fill))
+        return tf.fill(shape, tf.constant(fill, dtype))
 
     return tf.nest.map_structure(leaf, tree)
 
@@ -89,19 +101,26 @@ def _signature(tree: Any) -> tuple:
     )
 
 
-def _changed(rows: int, x: Any, site: int, changed: tuple[int, ...]) -> Any:
-    """``x`` with the rows in ``changed`` given other values (every entry differs), else ``x``."""
+def _changed(rows: int, x: Any, site: int, changed: tuple[int, ...], sign: int) -> Any:
+    """``x`` with the rows in ``changed`` moved in direction ``sign`` (every entry differs).
+
+    Floating entries move by ``sign * (max |x| + 1) * (2 + |N(0, 1)|)``, past every value of the
+    tensor, so a maximum or minimum over the batch moves too; integers by ``sign`` (a 0 moves up
+    to 1); booleans flip.
+    """
     if not changed or not tf.is_tensor(x) or not x.shape.rank or x.shape[0] != rows:
         return x
     picked = np.zeros([rows] + [1] * (x.shape.rank - 1), bool)
     picked[list(changed)] = True
     if x.dtype.is_floating:
-        noise = np.random.default_rng(site + 3).standard_normal(x.shape.as_list()) * picked
-        new = x + (tf.abs(x) + 1) * tf.cast(noise, x.dtype)
+        noise = np.abs(np.random.default_rng(site + 3).standard_normal(x.shape.as_list())) + 2
+        scale = tf.reduce_max(tf.where(tf.math.is_finite(x), tf.abs(x), tf.zeros_like(x))) + 1
+        new = x + tf.where(picked, sign * scale * tf.cast(noise, x.dtype), tf.zeros_like(x))
     elif x.dtype.is_bool:
         new = tf.where(picked, tf.logical_not(x), x)
     elif x.dtype.is_integer:
-        new = tf.where(picked, tf.where(x == 0, tf.ones_like(x), tf.zeros_like(x)), x)
+        step = tf.ones_like(x) if sign > 0 else tf.where(x == 0, tf.ones_like(x), -tf.ones_like(x))
+        new = tf.where(picked, x + step, x)
     else:
         return x
     mask = graph.keras_mask(x)
@@ -154,9 +173,14 @@ def mixing_probe(
     # Two directions: the other rows must not reach row 0, and row 0 must not reach the others
     # (a cumulative sum over the batch only shows in the second).
     directions = [(tuple(range(1, rows)), (0,)), ((0,), tuple(range(1, rows)))]
+    # Three bases, so that a maximum, minimum, "any" or "all" over the batch moves: integers all
+    # 0 moved up to 1 (booleans False flipped) with floats moved up; integers all 1 moved down to
+    # 0 (booleans True flipped) with floats moved down; integers all 1 moved up to 2, past a
+    # floor of 1 (a vocabulary of two has no id 2: a change that fails to run is skipped).
+    bases = [(0, 1, False), (1, -1, False), (1, 1, True)]
 
-    def forward(xs: Any, changed: Any) -> Any:
-        """The model on ``xs``; at site ``i`` the rows ``changed(i)`` get other values."""
+    def forward(xs: Any, changed: Any, sign: int) -> Any:
+        """The model on ``xs``; at site ``i`` the rows ``changed(i)`` move by ``sign``."""
         count = [0]
 
         def site(t: Any, label: str) -> Any:
@@ -164,7 +188,7 @@ def mixing_probe(
             count[0] += 1
             if len(labels) <= i:
                 labels.append(label)
-            return _changed(rows, t, i, changed(i))
+            return _changed(rows, t, i, changed(i), sign)
 
         def layer_fn(layer: Any, args: tuple, kwargs: dict) -> Any:
             outputs = layer(*args, **kwargs)
@@ -179,54 +203,69 @@ def mixing_probe(
     def losses(ys: Any, pred: Any) -> np.ndarray:
         return np.asarray(tf.reshape(loss_fn(ys, pred), [rows]))
 
+    everything = tuple(range(rows))
     try:
         with tf.init_scope():  # eager, outside whatever graph the caller is tracing
-            rng = np.random.default_rng(0)
-            xs = _synthetic(x, rows, rng)
-            ys = _synthetic(y, rows, rng)
-            base = forward(xs, lambda i: ())
-            everything = tuple(range(rows))
-            if not _same(
-                _rows_of(base, rows, everything),
-                _rows_of(forward(xs, lambda i: ()), rows, everything),
-            ):
-                return None, "the model's outputs differ between two identical calls"
-            for changed, kept in directions:
-                expected = _rows_of(base, rows, kept)
-                if _same(expected, _rows_of(forward(xs, lambda i, c=changed: c), rows, kept)):
-                    continue
-                # The last site whose changed rows reach the kept ones: changing sites k..
-                # reaches them for every k up to it and for none after it.
-                low, high = 0, len(labels) - 1
-                while low < high:
-                    mid = (low + high + 1) // 2
-                    again = forward(xs, lambda i, m=mid, c=changed: c if i >= m else ())
-                    if _same(expected, _rows_of(again, rows, kept)):
-                        high = mid - 1
-                    else:
-                        low = mid
-                return (
-                    f"the model mixes examples downstream of {labels[low]}: values of some "
-                    "examples there change other examples' outputs (batch statistics, a mean, "
-                    "sort, roll or cumulative sum over the batch axis, a layer that combines "
-                    "rows)",
-                    None,
-                )
-            first = losses(ys, base)
-            if not np.array_equal(first, losses(ys, base), equal_nan=True):
-                return None, "the loss differs between two identical calls"
-            for changed, kept in directions:
-                pred = tf.nest.map_structure(lambda t, c=changed: _changed(rows, t, -1, c), base)
-                labels_ = tf.nest.map_structure(lambda t, c=changed: _changed(rows, t, -2, c), ys)
-                if not np.array_equal(
-                    first[list(kept)], losses(labels_, pred)[list(kept)], equal_nan=True
+            for fill, sign, optional in bases:
+                rng = np.random.default_rng(fill)
+                xs = _synthetic(x, rows, rng, fill=fill)
+                ys = _synthetic(y, rows, rng, fill=fill)
+                base = forward(xs, lambda i: (), sign)
+                if fill == 0 and not _same(
+                    _rows_of(base, rows, everything),
+                    _rows_of(forward(xs, lambda i: (), sign), rows, everything),
                 ):
+                    return None, "the model's outputs differ between two identical calls"
+                for changed, kept in directions:
+                    expected = _rows_of(base, rows, kept)
+                    try:
+                        moved = forward(xs, lambda i, c=changed: c, sign)
+                    except Exception:  # noqa: BLE001 - only the optional base may skip
+                        if optional:
+                            break
+                        raise
+                    if _same(expected, _rows_of(moved, rows, kept)):
+                        continue
+                    # The last site whose changed rows reach the kept ones: changing sites k..
+                    # reaches them for every k up to it and for none after it.
+                    low, high = 0, len(labels) - 1
+                    while low < high:
+                        mid = (low + high + 1) // 2
+                        again = forward(xs, lambda i, m=mid, c=changed: c if i >= m else (), sign)
+                        if _same(expected, _rows_of(again, rows, kept)):
+                            high = mid - 1
+                        else:
+                            low = mid
                     return (
-                        "the loss mixes examples: some examples' predictions or labels change "
-                        "other examples' losses (e.g. a contrastive loss with in-batch "
-                        "negatives)",
+                        f"the model mixes examples downstream of {labels[low]}: values of some "
+                        "examples there change other examples' outputs (batch statistics, a "
+                        "mean, maximum, sort, roll or cumulative sum over the batch axis, a layer "
+                        "that combines rows)",
                         None,
                     )
+                first = losses(ys, base)
+                if fill == 0 and not np.array_equal(first, losses(ys, base), equal_nan=True):
+                    return None, "the loss differs between two identical calls"
+                for changed, kept in directions:
+                    pred = tf.nest.map_structure(
+                        lambda t, c=changed, s=sign: _changed(rows, t, -1, c, s), base
+                    )
+                    labels_ = tf.nest.map_structure(
+                        lambda t, c=changed, s=sign: _changed(rows, t, -2, c, s), ys
+                    )
+                    try:
+                        after = losses(labels_, pred)
+                    except Exception:  # noqa: BLE001 - only the optional base may skip
+                        if optional:
+                            break
+                        raise
+                    if not np.array_equal(first[list(kept)], after[list(kept)], equal_nan=True):
+                        return (
+                            "the loss mixes examples: some examples' predictions or labels "
+                            "change other examples' losses (e.g. a contrastive loss with "
+                            "in-batch negatives, or a normalisation by a count over the batch)",
+                            None,
+                        )
     except Exception as e:  # noqa: BLE001 - any failure means "not verified", never "verified"
         return None, f"the probe on {rows} synthetic rows failed ({type(e).__name__}: {e})"
     return None, None
@@ -237,7 +276,8 @@ def check_rows_independent(
 ) -> str | None:
     """Refuses a model or loss that mixes examples; returns why that was not verified, or None.
 
-    Cached per model, ``loss`` object, input and label signature and mode, so inside a
+    Cached per model, ``loss`` object, layers, variables, input and label signature and mode (the
+    entry holds the objects, so their ids cannot be reused), so inside a
     ``tf.function`` it runs when the step is traced (see :func:`mixing_probe`).
 
     Args:
@@ -261,21 +301,25 @@ def check_rows_independent(
       example's loss, and so its clipped gradient, unchanged.
     """
     training = True if tf.is_tensor(training) else bool(training)
-    key = (
-        loss if isinstance(loss, str) else id(loss),
-        _signature(x),
-        _signature(y),
-        training,
-        tuple(id(v) for v in variables),
-    )
+    # The objects the result is about, held by the cache entry so that their ids stay theirs:
+    # the loss, the variables and every layer (a layer without weights added to or removed from
+    # a Sequential changes the model while leaving its variables as they were).
+    layers = [layer for _, layer in validation.walk_layers(model) if layer is not model]
+    anchors = (*variables, *layers)  # not the model itself: the entry must not keep its key alive
+    loss_key = loss if isinstance(loss, str) else id(loss)
+    key = (loss_key, tuple(map(id, anchors)), _signature(x), _signature(y), training)
     cache = _CACHE.setdefault(model, {})
     hit = cache.get(key)
-    if hit is None or (not isinstance(loss, str) and hit[0] is not loss):
+    if hit is None or not (
+        (isinstance(loss, str) or hit[0] is loss)
+        and all(a is b for a, b in zip(hit[1], anchors, strict=True))
+    ):
         if len(cache) >= _MAX_KEYS_PER_MODEL:
             cache.clear()
-        hit = (loss, *mixing_probe(model, loss_fn, x, y, training=training, variables=variables))
+        probed = mixing_probe(model, loss_fn, x, y, training=training, variables=variables)
+        hit = (loss, anchors, *probed)
         cache[key] = hit
-    _, mixing, unverified = hit
+    _, _, mixing, unverified = hit
     if mixing is not None:
         raise ValueError(
             f"dpcore: model {getattr(model, 'name', model)!r} with this loss cannot be trained "
