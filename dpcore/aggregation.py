@@ -42,8 +42,8 @@ CONTRIBUTION_TOLERANCE = 1e-6
 # The lower limit: TensorFlow's CPU kernels flush float32 subnormals (below 2^-126) to zero, so a
 # noise value z·std below 2^-126 was exactly 0 while the clipped sum it was added to stayed a normal
 # float: the release was the un-noised sum (probability 0.01 per step at std 2^-120). A standard
-# normal of standard_normal is 0 or at least 2^-38 in magnitude (radius 0 or >= 2^-11.5, the
-# sine/cosine of its 24-bit float32 angle 0 or >= 2^-26.4), so with std >= 2^-40 every non-zero
+# normal of standard_normal is never 0 and at least 2^-38 in magnitude (radius >= 2^-11.5, the
+# sine/cosine of its float32 angle >= 2^-26.4; _polar_from_bits), so with std >= 2^-40 every
 # noise value is at least 2^-78: normal, never flushed.
 MIN_NOISE_STDDEV = 2.0**-40
 # The upper limit: a standard normal is at most NOISE_RADIUS_MAX < 2^4, so every noise value is
@@ -441,7 +441,7 @@ def gaussian_noise(
     return [tf.cast(z * tf.cast(stddev, tf.float32), t.dtype) for z, t in zip(unit, like)]
 
 
-def _float64(value: Any) -> tf.Tensor:
+def as_float64(value: Any) -> tf.Tensor:
     """``value`` as a float64 tensor; a Python number directly, not through float32 (where 1e-50
     is 0 and 1e50 infinite)."""
     if isinstance(value, numbers.Real):
@@ -461,7 +461,7 @@ def checked_noise_stddev(stddev: tf.Tensor) -> tf.Tensor:
       A smaller non-zero std is flushed to zero noise by float32 (the release would be the
       un-noised clipped sum); a larger one overflows.
     """
-    stddev = _float64(stddev)
+    stddev = as_float64(stddev)
     ok = tf.equal(stddev, 0.0) | ((stddev >= MIN_NOISE_STDDEV) & (stddev <= MAX_NOISE_STDDEV))
     check = tf.debugging.Assert(
         ok,
@@ -514,7 +514,7 @@ def privatize(
         isinstance(noise_multiplier, numbers.Real)
         and isinstance(clipped.l2_sensitivity, numbers.Real)
     ):
-        sigma = _float64(noise_multiplier)
+        sigma = as_float64(noise_multiplier)
         # A NaN or negative σ would otherwise mean std 0 below: no noise, and no error.
         valid = tf.math.is_finite(sigma) & (sigma >= 0.0)
         check = tf.debugging.Assert(
@@ -522,7 +522,7 @@ def privatize(
         )
         with tf.control_dependencies([check]):
             sigma = tf.identity(sigma)
-        sensitivity = _float64(clipped.l2_sensitivity)
+        sensitivity = as_float64(clipped.l2_sensitivity)
         # sigma == 0 with an infinite bound (a non-private run) is std 0, not 0 * inf = NaN. Any
         # other sigma that is not > 0 is NaN noise: where the assertion above does not run (XLA
         # drops it), the release is NaN rather than un-noised.

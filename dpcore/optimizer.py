@@ -837,9 +837,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             ],
         )
         with tf.control_dependencies([range_check]):
-            if isinstance(sensitivity, numbers.Real):  # not through float32
-                sensitivity = tf.constant(float(sensitivity), tf.float64)
-            sensitivity = tf.cast(sensitivity, tf.float64)
+            sensitivity = aggregation.as_float64(sensitivity)  # not through float32
             same_check = tf.debugging.Assert(
                 tf.equal(sensitivity, c),
                 [

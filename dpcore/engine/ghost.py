@@ -38,7 +38,9 @@ import tensorflow as tf
 from dpcore.engine import graph
 from dpcore.engine.summary import (
     GradientSummary,
+    batch_signature,
     check_variables,
+    probe_rows,
     to_units,
     unit_mask,
     weighted_loss,
@@ -157,7 +159,7 @@ def batch_axis_reason(model: Any, x: Any, variables: Sequence[Any], *, training:
     """
     leaves = tf.nest.flatten(x)
     key = (
-        tuple((tuple(tf.TensorShape(t.shape).as_list()[1:]), t.dtype.name) for t in leaves),
+        batch_signature(x),
         bool(training) if isinstance(training, bool) else None,
         tuple(id(v) for v in variables),
     )
@@ -165,11 +167,7 @@ def batch_axis_reason(model: Any, x: Any, variables: Sequence[Any], *, training:
     if key in cache:
         return cache[key]
     wanted = {id(v) for v in variables}
-    static = {d for t in leaves for d in tf.TensorShape(t.shape).as_list()[1:] if d is not None}
-    static |= {d for v in variables for d in v.shape}
-    rows = _PROBE_ROWS
-    while rows in static:
-        rows += 2
+    rows = probe_rows([x], variables, start=_PROBE_ROWS)
     problems: list[str] = []
 
     def layer_fn(layer: Any, args: tuple, kwargs: dict) -> Any:

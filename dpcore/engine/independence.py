@@ -59,20 +59,13 @@ import tensorflow as tf
 
 from dpcore import validation
 from dpcore.engine import graph
+from dpcore.engine.summary import batch_signature, probe_rows
 
 __all__ = ["check_rows_independent", "mixing_probe"]
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_KEYS_PER_MODEL = 16
 _UNKNOWN_DIM = 4
-
-
-def _static_dims(tree: Any) -> set[int]:
-    dims: set[int] = set()
-    for t in tf.nest.flatten(tree):
-        if tf.is_tensor(t) or hasattr(t, "shape"):
-            dims |= {d for d in tf.TensorShape(t.shape).as_list()[1:] if d is not None}
-    return dims
 
 
 def _synthetic(tree: Any, rows: int, rng: np.random.Generator, *, fill: int) -> Any:
@@ -90,15 +83,6 @@ def _synthetic(tree: Any, rows: int, rng: np.random.Generator, *, fill: int) -> 
         return tf.fill(shape, tf.constant(fill, dtype))
 
     return tf.nest.map_structure(leaf, tree)
-
-
-def _signature(tree: Any) -> tuple:
-    return tuple(
-        (tuple(tf.TensorShape(t.shape).as_list()[1:]), tf.as_dtype(t.dtype).name)
-        if t is not None and (tf.is_tensor(t) or hasattr(t, "shape"))
-        else repr(t)
-        for t in tf.nest.flatten(tree)
-    )
 
 
 def _changed(rows: int, x: Any, site: int, changed: tuple[int, ...], sign: int) -> Any:
@@ -164,11 +148,7 @@ def mixing_probe(
     Privacy:
       Runs the model on synthetic rows only; nothing of the batch but its shapes is read.
     """
-    static = _static_dims(x) | _static_dims(y)
-    static |= {d for v in variables for d in v.shape if d is not None}
-    rows = 3
-    while rows in static:
-        rows += 2
+    rows = probe_rows([x, y], variables, start=3)
     labels: list[str] = []
     # Two directions: the other rows must not reach row 0, and row 0 must not reach the others
     # (a cumulative sum over the batch only shows in the second).
@@ -307,7 +287,7 @@ def check_rows_independent(
     layers = [layer for _, layer in validation.walk_layers(model) if layer is not model]
     anchors = (*variables, *layers)  # not the model itself: the entry must not keep its key alive
     loss_key = loss if isinstance(loss, str) else id(loss)
-    key = (loss_key, tuple(map(id, anchors)), _signature(x), _signature(y), training)
+    key = (loss_key, tuple(map(id, anchors)), batch_signature(x), batch_signature(y), training)
     cache = _CACHE.setdefault(model, {})
     hit = cache.get(key)
     if hit is None or not (

@@ -133,6 +133,39 @@ def batch_size_of(x: Any) -> tf.Tensor:
     return tf.shape(tf.nest.flatten(x)[0])[0]
 
 
+def _shaped(t: Any) -> bool:
+    return t is not None and (tf.is_tensor(t) or hasattr(t, "shape"))
+
+
+def batch_signature(x: Any) -> tuple:
+    """Each leaf's shape without the batch axis and its dtype (other leaves by ``repr``): the
+    key of checks that run once per input signature, whatever the batch size."""
+    return tuple(
+        (tuple(tf.TensorShape(t.shape).as_list()[1:]), tf.as_dtype(t.dtype).name)
+        if _shaped(t)
+        else repr(t)
+        for t in tf.nest.flatten(x)
+    )
+
+
+def probe_rows(trees: Sequence[Any], variables: Sequence[Any], *, start: int) -> int:
+    """The first of ``start, start + 2, ...`` equal to no static non-batch dimension of the
+    leaves of ``trees`` and to no dimension of ``variables``: a batch size for a probe run whose
+    batch axis cannot be mistaken for another axis."""
+    static = {
+        d
+        for t in tf.nest.flatten(list(trees))
+        if _shaped(t)
+        for d in tf.TensorShape(t.shape).as_list()[1:]
+        if d is not None
+    }
+    static |= {d for v in variables for d in v.shape if d is not None}
+    rows = start
+    while rows in static:
+        rows += 2
+    return rows
+
+
 def _all_finite_rows(t: tf.Tensor) -> tf.Tensor:
     t = tf.convert_to_tensor(t)
     if not (t.dtype.is_floating or t.dtype.is_complex):
