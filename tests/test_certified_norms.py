@@ -637,3 +637,93 @@ def test_static_error_terms_equal_their_traced_form(n):
     assert static == float(norms._sum64_inflation(tensor_n).numpy())
     half = n + 0.5  # a non-integer length (the bound formulas pass T^2 + 2)
     assert norms.dot_gamma(half) == float(norms.dot_gamma(tf.constant(half, tf.float64)).numpy())
+
+
+def _calls(graph):
+    """Names of the functions a graph calls directly (PartitionedCall ops)."""
+    return [
+        op.get_attr("f").name
+        for op in graph.get_operations()
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+    ]
+
+
+def _flush_and_overflow_operands(rng, t, d, p):
+    """Operands with cancelling, flushing, huge, zero and NaN examples."""
+    a = rng.normal(size=(6, t, d))
+    g = rng.normal(size=(6, t, p))
+    a[0, 1] = -a[0, 0] + 1e-6  # cancelling positions
+    g[0, 1] = g[0, 0]
+    a[1, 0] *= 2.0**64  # products that flush against position 0
+    g[1, 0] = 0.0
+    a[2] = np.clip(a[2], -1.0, 1.0) * 3e38  # scale above 2^126
+    g[3] *= 1e-30
+    a[4] = 0.0
+    a[5, 3, 2] = np.nan
+    return a.astype("float32"), g.astype("float32")
+
+
+def test_a_shared_ghost_bound_is_the_inline_bound(rng):
+    """A ghost bound of ``T^2 (D + P) >= SHARED_MIN_WORK`` runs inside a graph as a call of one
+    shared, non-inlined function: bitwise the same bounds as the same operations inlined, on
+    adversarial examples (NaN where the example holds NaN), and every finite bound covers the
+    float64 ground truth."""
+    t, d, p = 128, 40, 24
+    assert t**2 * (d + p) >= norms.SHARED_MIN_WORK
+    a32, g32 = _flush_and_overflow_operands(rng, t, d, p)
+    specs = (tf.TensorSpec(a32.shape, tf.float32), tf.TensorSpec(g32.shape, tf.float32))
+    shared = tf.function(lambda a, g: norms.ghost_sq_norm_bound(a, g, with_sum_error=True))
+    inline = tf.function(lambda a, g: norms.ghost_sq_norm_bound(a, g, with_sum_error=True))
+    assert any(
+        "shared_ghost_sq_norm_bound" in f
+        for f in _calls(shared.get_concrete_function(*specs).graph)
+    )
+    with norms.inline_bounds():
+        assert not any("shared" in f for f in _calls(inline.get_concrete_function(*specs).graph))
+    got = [t.numpy() for t in shared(a32, g32)]
+    want = [t.numpy() for t in inline(a32, g32)]
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+    bound = got[0]
+    assert np.isnan(bound[5]) and np.all(np.isfinite(bound[:5]))
+    exact = np.sum(
+        np.einsum("btd,btp->bdp", a32[:5].astype(np.float64), g32[:5].astype(np.float64)) ** 2,
+        (1, 2),
+    )
+    assert np.all(bound[:5] >= exact)
+
+
+def test_repeated_bounds_share_one_body_only_in_large_programs(rng):
+    """In a graph of ``SHARED_MIN_OPS`` operations or more, a bound called again with the same
+    signature is a call of one shared body (the same values as inline); in a small program
+    (an MLP's step) every bound stays inline, so no call overhead is added there."""
+    x1 = tf.constant(rng.normal(size=(8, 300)).astype("float32"))
+    x2 = tf.constant((rng.normal(size=(8, 300)) * 1e20).astype("float32"))
+
+    def bounds(pad):
+        z = tf.zeros([])
+        for _ in range(pad):
+            z = z + 1.0
+        return norms.rows_sq_norm(x1), norms.rows_sq_norm(x2), z
+
+    large = tf.function(lambda: bounds(norms.SHARED_MIN_OPS))
+    small = tf.function(lambda: bounds(0))
+    calls = _calls(large.get_concrete_function().graph)
+    assert len(calls) == 1 and "shared_rows_sq_norm" in calls[0]
+    assert _calls(small.get_concrete_function().graph) == []
+    for got, want in zip(large()[:2], small()[:2]):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_a_shared_bound_is_retraced_when_the_matmul_roundoff_changes(rng, monkeypatch):
+    """The matmul input roundoff (TF32, oneDNN bfloat16) is read when a bound is traced; a
+    shared body is keyed on it, so a program traced after the setting changed gets the wider
+    bound instead of the body traced before."""
+    t, d, p = 128, 40, 24
+    a = tf.constant(rng.normal(size=(2, t, d)).astype("float32"))
+    g = tf.constant(rng.normal(size=(2, t, p)).astype("float32"))
+    exact_f32 = tf.function(lambda: norms.ghost_sq_norm_bound(a, g))().numpy()
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    assert norms.matmul_input_roundoff() == norms.BF16_ROUNDOFF
+    bf16 = tf.function(lambda: norms.ghost_sq_norm_bound(a, g))().numpy()
+    assert np.all(bf16 > exact_f32 * (1 + 1e-3))
