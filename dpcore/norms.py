@@ -34,7 +34,7 @@ skip them. Everything is plain TensorFlow and runs inside the caller's compiled 
 the per-example Gram matrices of large enough operands (:func:`gram`) are compiled by XLA, whose
 batched matmul is faster on CPU, and the error model above covers it as it covers any float32
 summation order. In a large traced step, a bound called again with the same shapes (a
-transformer's repeated layers), and every large ghost bound, is a call of one shared traced
+transformer's repeated layers), and every large Gram-matrix bound, is a call of one shared traced
 function instead of a fresh copy of its operations (:data:`SHARED_MIN_OPS`,
 :data:`SHARED_MIN_WORK`): the same operations, so the same values, in a smaller program.
 """
@@ -89,14 +89,16 @@ __all__ = [
 
 # ------------------------------------------------------------------ one traced body per signature
 # A DP step calls the bounds below once per layer, and a transformer's layers repeat the same
-# shapes. Inside a graph, a ghost bound of at least SHARED_MIN_WORK per-example multiply-adds, and
-# a bound whose signature (static shapes, dtypes, Python arguments) was already used in a graph
-# that holds SHARED_MIN_OPS operations or more, is a call of one traced, non-inlined function
-# (``_noinline``): the runtime then holds one copy of its operations per signature instead of one
-# per layer. BERT's traced DP step went from 8179 to about 4600 operations and its step peak
-# memory down by tens of MB (BENCHMARKS.md). A call costs tens of microseconds, so small
-# programs (an MLP's: under 2000 operations) keep every bound inline. The body is the same
-# operations either way; the matmul input roundoff (read at trace time) is part of the signature.
+# shapes. Inside a graph, the Gram-matrix bound of a ghost norm of at least SHARED_MIN_WORK
+# per-example multiply-adds, and any bound whose signature (static shapes, dtypes, Python
+# arguments) was already used in a graph of SHARED_MIN_OPS operations or more, is a call of one
+# traced, non-inlined function (``_noinline``): the runtime then holds one copy of its operations
+# per signature instead of one per layer. BERT's traced DP step went from 8179 to about 4600
+# operations and its step peak memory down by tens of MB (BENCHMARKS.md). A call costs tens of
+# microseconds, so small programs (an MLP's: under 2000 operations) keep every bound inline. The
+# body is the same operations either way; the matmul input roundoff (read at trace time) is part
+# of the signature. The Gram matrices themselves stay in the caller's graph: an XLA-compiled
+# function called from a non-inlined one is not compiled (the ghost bound took twice as long).
 
 SHARED_MIN_WORK = 1 << 20
 SHARED_MIN_OPS = 2000
@@ -473,7 +475,6 @@ def abs_max(t: tf.Tensor, axis: list[int]) -> tf.Tensor:
     return tf.maximum(tf.reduce_max(t, axis=axis), -tf.reduce_min(t, axis=axis))
 
 
-@_shared(_ghost_work)
 def ghost_sq_norm_bound(
     a: tf.Tensor,
     g: tf.Tensor,

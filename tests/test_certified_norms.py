@@ -664,20 +664,20 @@ def _flush_and_overflow_operands(rng, t, d, p):
 
 
 def test_a_shared_ghost_bound_is_the_inline_bound(rng):
-    """A ghost bound of ``T^2 (D + P) >= SHARED_MIN_WORK`` runs inside a graph as a call of one
-    shared, non-inlined function: bitwise the same bounds as the same operations inlined, on
-    adversarial examples (NaN where the example holds NaN), and every finite bound covers the
-    float64 ground truth."""
+    """The Gram-matrix bound of a ghost norm of ``T^2 (D + P) >= SHARED_MIN_WORK`` runs inside a
+    graph as a call of one shared, non-inlined function, while the Gram matrices stay XLA-compiled
+    calls of the caller's graph (nested in the shared body XLA would not compile them): bitwise
+    the same bounds as the same operations inlined, on adversarial examples (NaN where the
+    example holds NaN), and every finite bound covers the float64 ground truth."""
     t, d, p = 128, 40, 24
     assert t**2 * (d + p) >= norms.SHARED_MIN_WORK
     a32, g32 = _flush_and_overflow_operands(rng, t, d, p)
     specs = (tf.TensorSpec(a32.shape, tf.float32), tf.TensorSpec(g32.shape, tf.float32))
     shared = tf.function(lambda a, g: norms.ghost_sq_norm_bound(a, g, with_sum_error=True))
     inline = tf.function(lambda a, g: norms.ghost_sq_norm_bound(a, g, with_sum_error=True))
-    assert any(
-        "shared_ghost_sq_norm_bound" in f
-        for f in _calls(shared.get_concrete_function(*specs).graph)
-    )
+    calls = _calls(shared.get_concrete_function(*specs).graph)
+    assert any("shared_gram_sq_norm_bound" in f for f in calls), calls
+    assert sum("_compiled_gram" in f for f in calls) == 2, calls
     with norms.inline_bounds():
         assert not any("shared" in f for f in _calls(inline.get_concrete_function(*specs).graph))
     got = [t.numpy() for t in shared(a32, g32)]
