@@ -93,7 +93,7 @@ __all__ = [
 # per-example multiply-adds, and any bound whose signature (static shapes, dtypes, Python
 # arguments) was already used in a graph of SHARED_MIN_OPS operations or more, is a call of one
 # traced, non-inlined function (``_noinline``): the runtime then holds one copy of its operations
-# per signature instead of one per layer. BERT's traced DP step went from 8179 to about 4600
+# per signature instead of one per layer. BERT's traced DP step went from 8179 to about 4800
 # operations and its step peak memory down by tens of MB (BENCHMARKS.md). A call costs tens of
 # microseconds, so small programs (an MLP's: under 2000 operations) keep every bound inline. The
 # body is the same operations either way; the matmul input roundoff (read at trace time) is part
