@@ -114,7 +114,8 @@ def _signature(value: Any) -> Any:
         return ("tensor", tuple(tf.TensorShape(value.shape).as_list() or ()), value.dtype.name)
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
-    return ("value", value)
+    # The type too: True == 1 == 1.0 as keys, but a body traced for one is not the other's.
+    return ("value", type(value).__name__, value)
 
 
 def _shared(work: Callable[..., int | None] | None = None) -> Callable[[_F], _F]:
