@@ -10,8 +10,9 @@ the precision the hardware really computes in:
   float32 partial sums overflow, short rows and float64 tensors are summed in float64, where the
   square of any float32 (or float16/bfloat16) value is exact and can neither overflow nor
   underflow; the float64 summation error ``gamma_n`` (``n * 2^-53``) is added;
-- the ghost identity ``||A^T G||_F^2 = sum_{s,t} (a_s . a_t)(g_s . g_t)`` is evaluated on operands
-  divided by their largest magnitude per example (so nothing overflows), and the rounding error of
+- the ghost identity ``||A^T G||_F^2 = sum_{s,t} (a_s . a_t)(g_s . g_t)`` is evaluated on the
+  operands as they are where an example's Gram diagonal shows magnitudes that cannot overflow,
+  else divided by their largest magnitude per example, and the rounding error of
   its float32 matmuls is added explicitly:
   ``gamma_D sum |a_s||a_t| |g_s . g_t| + gamma_P sum |a_s . a_t| |g_s||g_t| + gamma_D gamma_P E``,
   with ``E = (sum_t |a_t| |g_t|)^2`` (Higham's bound for dot products of length D and P), plus
@@ -62,6 +63,7 @@ _F32_TINY = 2.0**-126
 
 __all__ = [
     "F32_ROUNDOFF",
+    "ORDINARY_DIAGONAL",
     "SHARED_MIN_OPS",
     "SHARED_MIN_WORK",
     "TF32_ROUNDOFF",
@@ -73,6 +75,7 @@ __all__ = [
     "dot_gamma",
     "ghost_sq_norm_bound",
     "gram",
+    "gram_magnitudes",
     "gram_sq_norm_bound",
     "inline_bounds",
     "matmul_input_roundoff",
@@ -81,6 +84,7 @@ __all__ = [
     "row_scale",
     "rows_sq_norm",
     "scale_rows",
+    "scaled_gram",
     "sq_norm_bound",
     "sum_of_norms",
     "triangle_bound",
@@ -445,8 +449,9 @@ def outer_sum_error(t: Any, d: int, p: int, a_max: tf.Tensor, g_max: tf.Tensor) 
       d: entries of each ``a_t`` (static).
       p: entries of each ``g_t`` (static).
       a_max: ``[B]`` an upper bound of each example's largest ``|a|`` (NaN/Inf when non-finite).
-      g_max: ``[B]`` each example's largest ``|g|`` as read: 0 when every ``g`` entry reads as
-        zero, whose weighted terms are then all exactly zero (the error is 0).
+      g_max: ``[B]`` an upper bound of each example's largest ``|g|`` as read; 0 (allowed only
+        when every ``g`` entry reads as zero, whose weighted terms are then all exactly zero)
+        makes the error 0.
 
     Returns:
       float64 ``[B]``; about ``1e-37`` times the magnitudes for ordinary data.
@@ -506,25 +511,23 @@ def ghost_sq_norm_bound(
       Row ``i`` depends on example ``i`` only; the bound is never below the true squared norm.
     """
     d, p = a.shape[-1], g.shape[-1]
-    # Per-example scale to magnitude ~1 (a float32 division per entry) where an example's largest
-    # magnitude is outside UNSCALED_RANGE: nothing below overflows, and what flushes to zero is
-    # bounded relative to the example. NaN rows stay NaN (reduce_max propagates NaN), infinite
-    # rows become NaN after scaling.
+    # Each operand's Gram matrices as it is, or divided per example by its largest magnitude where
+    # that Gram's diagonal says the example is tiny, huge or non-finite (scaled_gram): nothing
+    # below overflows, and what flushes to zero is bounded relative to the example.
     if a_scale is None:
-        ap, sa, ma = scale_rows(a)
+        aa, sa, ma = scaled_gram(a)
     else:
         ma = sa = tf.cast(a_scale, tf.float32)
-        ap = tf.cast(a, tf.float32)
-    gp, sg, mg = scale_rows(g)
-    aa = gram(ap)  # [B, T, T] float32
-    gg = gram(gp)
+        aa = gram(tf.cast(a, tf.float32))  # [B, T, T] float32
+    gg, sg, mg = scaled_gram(g)
     sq = gram_sq_norm_bound(
         aa, gg, d=d, p=p, a_scale=sa, g_scale=sg, a_max=ma, g_max=mg, contribution=contribution
     )
     if not with_sum_error:
         return sq
-    # The largest magnitude of a (sa where a was divided by it; 1 for a NaN row, as before).
-    a_big = tf.where(tf.math.is_finite(ma), tf.maximum(ma, sa), sa)
+    # An upper bound of a's largest magnitude (sa where a was divided by it; 1 for a NaN row).
+    ma64, sa64 = tf.cast(ma, tf.float64), tf.cast(sa, tf.float64)
+    a_big = tf.where(tf.math.is_finite(ma64), tf.maximum(ma64, sa64), sa64)
     return sq, outer_sum_error(dim(a, 1), d, p, a_big, mg)
 
 
@@ -599,6 +602,84 @@ def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     return scaled, s, m
 
 
+# An example whose Gram diagonal, computed from its operand as it is, peaks in [2^-40, 2^80] (the
+# squared ends of UNSCALED_RANGE) keeps that operand and that Gram matrix: every entry is then at
+# most 2^40 in magnitude, so no product or sum overflows, and what flushes to zero is small
+# against the example.
+ORDINARY_DIAGONAL = (2.0**-40, 2.0**80)
+
+
+@_shared()
+def gram_magnitudes(xx: tf.Tensor, *, d: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(m, ordinary, zero)`` from ``xx [B, T, T]``, the float32 Gram matrices of an operand of
+    rows of length ``d`` as it is (undivided).
+
+    ``ordinary[i]``: example ``i``'s diagonal peaks in :data:`ORDINARY_DIAGONAL` (False for a NaN
+    or infinite entry). ``zero[i]``: its diagonal is all 0 (an all-zero operand, or one whose
+    squares all flush to zero). ``m[i]`` (float64): an upper bound of example ``i``'s largest
+    magnitude where it is ordinary: the largest magnitude is at most the largest row norm, and a
+    diagonal entry computed as ``c`` is a sum of squares of at most ``(c + 3 d 2^-126) / (1 -
+    gamma_d)`` (:func:`gram_sq_norm_bound`'s error model).
+
+    Privacy:
+      Row ``i`` depends on example ``i``'s Gram matrix only.
+    """
+    low, high = ORDINARY_DIAGONAL
+    diag = tf.linalg.diag_part(xx)  # [B, T]
+    ordinary = tf.reduce_all(diag <= high, axis=1) & tf.reduce_any(diag >= low, axis=1)
+    zero = tf.reduce_all(tf.equal(diag, 0.0), axis=1)
+    top = tf.reduce_max(tf.maximum(tf.cast(diag, tf.float64), 0.0), axis=1)
+    inv = _inverse_complement(dot_gamma(d)) * (1.0 + 2.0**-50)
+    return tf.sqrt((top + 3.0 * d * _F32_TINY) * inv) * (1.0 + 2.0**-50), ordinary, zero
+
+
+def scaled_gram(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(xx, s, m)`` for ``x [B, T, K]``, as :func:`gram_sq_norm_bound` expects its operands:
+    ``xx [B, T, T]`` the Gram matrices of ``x / s``, ``s [B]`` (float32) each example's divisor and
+    ``m [B]`` (float64) an upper bound of its largest magnitude (0 for an all-zero example, NaN or
+    Inf for a non-finite one).
+
+    The Gram matrices are first computed from ``x`` as it is. An example that
+    :func:`gram_magnitudes` calls ordinary keeps its matrix (``s = 1``, ``m`` from its diagonal),
+    and so does an all-zero one (``m = 0``; only the examples whose diagonal is all 0 are read
+    again to tell them from examples whose squares flush to zero). Any other example (tiny, huge,
+    NaN or Inf) gets :func:`scale_rows`' treatment (``s = m``, its largest magnitude, and the
+    matrix recomputed from ``x / s``), in a branch taken only for a batch holding one. A kept
+    example's values are the same in either branch, so they never depend on the other examples
+    of its batch; a batch of ordinary and all-zero examples needs no pass over ``x`` besides its
+    Gram matrices and a read of its all-zero examples.
+
+    Privacy:
+      Row ``i`` depends on example ``i`` only.
+    """
+    x = tf.cast(x, tf.float32)
+    xx = gram(x)
+    m_ordinary, ordinary, zero_diagonal = gram_magnitudes(xx, d=int(x.shape[-1]))
+    # The largest magnitude of the examples whose diagonal is all 0 (typically padding), read from
+    # those examples only.
+    which = tf.where(zero_diagonal)
+    m_zero = tf.scatter_nd(
+        which, abs_max(tf.gather_nd(x, which), axis=[1, 2]), tf.shape(zero_diagonal, tf.int64)
+    )
+    zero = zero_diagonal & tf.equal(m_zero, 0.0)
+    kept = ordinary | zero
+    m_kept = tf.where(zero, tf.zeros_like(m_ordinary), m_ordinary)
+    ones = tf.ones_like(m_ordinary, tf.float32)
+
+    def divided() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        # As scale_rows: a division, not a product with 1 / m (subnormal for m > 2^126).
+        m = abs_max(x, axis=[1, 2])
+        s = tf.where(kept, ones, m)
+        again = gram(x / s[:, None, None])
+        return (
+            tf.where(kept[:, None, None], xx, again),
+            s,
+            tf.where(kept, m_kept, tf.cast(m, tf.float64)),
+        )
+
+    return tf.cond(tf.reduce_all(kept), lambda: (xx, ones, m_kept), divided)
+
+
 @_shared(_ghost_work)
 def gram_sq_norm_bound(
     aa: tf.Tensor,
@@ -616,8 +697,8 @@ def gram_sq_norm_bound(
 
     For a layer whose Gram matrices are cheaper to form from structure than by a matmul (e.g. a
     tied embedding, whose lookup rows are one-hot): ``aa [B, T, T]`` and ``gg [B, T, T]`` are the
-    float32 Gram matrices of the example's operands after :func:`scale_rows` (divided by
-    ``a_scale`` and ``g_scale``), each entry computed from those scaled operands with an error of
+    float32 Gram matrices of the example's operands after :func:`scaled_gram` or
+    :func:`scale_rows` (divided by ``a_scale`` and ``g_scale``), each entry computed from those scaled operands with an error of
     at most ``dot_gamma(d)`` (``dot_gamma(p)``) times the product of the two rows' norms, as a
     float32 dot product of length ``d`` (``p``) has in any summation order (an entry that is one
     rounded product, or exact, qualifies).
@@ -630,8 +711,9 @@ def gram_sq_norm_bound(
       a_scale: ``[B]`` float32 divisor of each example's inputs (their largest magnitude, or 1
         where they were left as they are: see :func:`scale_rows`).
       g_scale: ``[B]`` float32 divisor of its output gradients.
-      a_max: ``[B]`` largest magnitude of the inputs (NaN or Inf for a non-finite example).
-      g_max: ``[B]`` largest magnitude of the output gradients.
+      a_max: ``[B]`` an upper bound of the inputs' largest magnitude (NaN or Inf for a non-finite
+        example); 0 only for an example whose inputs are all zero.
+      g_max: ``[B]`` the same for the output gradients.
       contribution: also bound the rounding of the book-keeping product over the example's
         ``T`` positions that forms the clipped sum.
 
@@ -693,8 +775,8 @@ def gram_sq_norm_bound(
     # Rescaling (a division, or a reciprocal then a product) moves each scaled entry by <= 2u + u^2,
     # or by <= 2^-126 when it flushes to zero: |a_t - a'_t| <= 2^-126 sqrt(D) per position, against
     # |g_t| <= r sqrt(P), and the same for g; a and g both: (1 + u)^4 - 1 <= 4u + 7u^2. Here r >= 1
-    # bounds the operands' entries: 1 for a divided operand, its largest magnitude for one left as
-    # it is (which moves nothing, but may face a divided one).
+    # bounds the operands' entries: 1 for a divided operand, an upper bound of its largest
+    # magnitude for one left as it is (which moves nothing, but may face a divided one).
     flushed = 3.0 * (float(d) * float(p)) ** 0.5 + 4.0 * (float(d) ** 0.5 + float(p) ** 0.5 + 1.0)
     sa64, sg64 = tf.cast(sa, tf.float64), tf.cast(sg, tf.float64)
     r = tf.maximum(

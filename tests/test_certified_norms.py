@@ -418,6 +418,48 @@ def test_ghost_bound_of_an_example_does_not_depend_on_the_other_examples(rng, gr
     np.testing.assert_array_less(mixed[[0, 1, 2]], exact[[0, 1, 2]] * (1 + 1e-3))
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_scaled_gram_keeps_ordinary_and_zero_examples_and_bounds_their_magnitude(rng, graph):
+    """``scaled_gram`` keeps the undivided Gram matrix of an example whose diagonal lies in
+    ``ORDINARY_DIAGONAL`` (``s = 1``, ``m`` a certified upper bound of its largest magnitude, no
+    more than the largest row norm) and of an all-zero example (``m = 0``); every other example
+    (squares that flush to zero, tiny, huge, NaN, Inf) is divided by its exact largest magnitude.
+    A kept example's outputs are bitwise the same in a batch that takes the division branch and
+    in one that does not."""
+    t, k = (16, 64) if graph else (3, 8)
+    x = rng.normal(size=(10, t, k))
+    x /= np.abs(x).max(axis=(1, 2), keepdims=True)
+    # kept: 1, 2^-18 (diagonal just above 2^-40), 2^36 with one dominant row, 0 ...
+    x *= np.array([1.0, 2.0**-18, 2.0**36, 0.0, 1.0, 1e-30, 2.0**-30, 1e30, 1.0, 1.0])[
+        :, None, None
+    ]
+    x[2, 1:] *= 2.0**-80  # one row dominates (its entries flush against it in the other rows)
+    x[4, 1:] = 0.0  # ... and one non-zero row among zero rows; then divided:
+    x[8, 0, 0] = np.nan
+    x[9, 1, 2] = np.inf
+    x32 = x.astype("float32")
+    fn = norms.scaled_gram
+    if graph:
+        fn = tf.function(fn, input_signature=[tf.TensorSpec([None, t, k])])
+    xx, s, m = (v.numpy() for v in fn(tf.constant(x32)))
+    true_max = np.abs(x32.astype(np.float64)).max(axis=(1, 2))
+    kept = [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(s[kept], 1.0)
+    assert m[3] == 0.0 and np.all(xx[3] == 0.0)
+    row_norms = np.sqrt(np.sum(x32.astype(np.float64) ** 2, axis=2)).max(axis=1)
+    for i in (0, 1, 2, 4):
+        assert true_max[i] <= m[i] <= row_norms[i] * (1 + 1e-5), i
+    np.testing.assert_array_equal(s[[5, 6, 7]], true_max[[5, 6, 7]].astype("float32"))
+    np.testing.assert_array_equal(m[[5, 6, 7]], true_max[[5, 6, 7]])
+    assert not np.any(np.isfinite(m[[8, 9]]))
+    scaled = x32[[5, 6, 7]] / s[[5, 6, 7], None, None]
+    want = np.einsum("btk,bsk->bts", scaled.astype(np.float64), scaled.astype(np.float64))
+    np.testing.assert_allclose(xx[[5, 6, 7]], want, rtol=1e-5, atol=1e-6)
+    again = [v.numpy() for v in fn(tf.constant(x32[kept + kept]))]  # no division in this batch
+    for got, first in zip(again, (xx, s, m)):
+        np.testing.assert_array_equal(got[:5], first[kept])
+
+
 def _adversarial_rows(rng, n):
     """Rows of length ``n`` whose sums of squares float32 (or float64) gets wrong in every way."""
     rows = rng.normal(size=(10, n))
