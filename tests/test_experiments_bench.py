@@ -403,7 +403,9 @@ def test_interleaved_fit_times_every_method_against_keras_fit():
         "make_private_fit_user8",
     ]
     assert rows[0]["ratio_to_nonprivate"] == 1.0
+    assert rows[0]["paired_ratio_to_nonprivate"] == 1.0  # each round's Keras step over itself
     for r in rows:
         assert r["rounds"] == 2 and 0 < r["min_ms"] <= r["median_ms"]
+        assert r["paired_ratio_to_nonprivate"] > 0
     table = interleaved_fit.markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "make_private_fit_user8" in table
