@@ -653,7 +653,13 @@ def scaled_gram(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
       Row ``i`` depends on example ``i`` only.
     """
     x = tf.cast(x, tf.float32)
-    xx = gram(x)
+    return _kept_or_divided(x, gram(x))
+
+
+@_shared()
+def _kept_or_divided(x: tf.Tensor, xx: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """:func:`scaled_gram` after its first Gram matrices ``xx`` (one shared body per shape in a
+    large program; the Gram products themselves stay in the caller's graph, compiled)."""
     m_ordinary, ordinary, zero_diagonal = gram_magnitudes(xx, d=int(x.shape[-1]))
     # The largest magnitude of the examples whose diagonal is all 0 (typically padding), read from
     # those examples only.
