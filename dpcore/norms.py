@@ -704,10 +704,10 @@ def gram_sq_norm_bound(
     For a layer whose Gram matrices are cheaper to form from structure than by a matmul (e.g. a
     tied embedding, whose lookup rows are one-hot): ``aa [B, T, T]`` and ``gg [B, T, T]`` are the
     float32 Gram matrices of the example's operands after :func:`scaled_gram` or
-    :func:`scale_rows` (divided by ``a_scale`` and ``g_scale``), each entry computed from those scaled operands with an error of
-    at most ``dot_gamma(d)`` (``dot_gamma(p)``) times the product of the two rows' norms, as a
-    float32 dot product of length ``d`` (``p``) has in any summation order (an entry that is one
-    rounded product, or exact, qualifies).
+    :func:`scale_rows` (divided by ``a_scale`` and ``g_scale``), each entry computed from those
+    scaled operands with an error of at most ``dot_gamma(d)`` (``dot_gamma(p)``) times the product
+    of the two rows' norms, as a float32 dot product of length ``d`` (``p``) has in any summation
+    order (an entry that is one rounded product, or exact, qualifies).
 
     Args:
       aa: ``[B, T, T]`` Gram of the scaled inputs ``A_i / a_scale_i`` (rows of length ``d``).
@@ -715,7 +715,7 @@ def gram_sq_norm_bound(
       d: length of the input rows (static).
       p: length of the output-gradient rows (static).
       a_scale: ``[B]`` float32 divisor of each example's inputs (their largest magnitude, or 1
-        where they were left as they are: see :func:`scale_rows`).
+        where they were left as they are: see :func:`scaled_gram`).
       g_scale: ``[B]`` float32 divisor of its output gradients.
       a_max: ``[B]`` an upper bound of the inputs' largest magnitude (NaN or Inf for a non-finite
         example); 0 only for an example whose inputs are all zero.

@@ -198,8 +198,7 @@ def _tied_grad(
         ],
         1,
     )
-    gp, sg, mg = norms.scale_rows(tf.concat([g, h], 1))
-    gg = norms.gram(gp)
+    gg, sg, mg = norms.scaled_gram(tf.concat([g, h], 1))
     sq = norms.gram_sq_norm_bound(
         aa, gg, d=vocab, p=dim, a_scale=ma, g_scale=sg, a_max=ma, g_max=mg, contribution=True
     )
