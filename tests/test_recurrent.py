@@ -107,7 +107,10 @@ def test_masked_recurrent_model(case, rng):
     model = _masked_model(rnn, masking)
     x, _ = _masked_batch(masking, rng)
     y = rng.normal(size=model(x).shape).astype("float32")
-    paths = check_rule(model, x, y, modes=FAST_MODES)
+    # Eager and compiled run the same fallback code: both for one case of each kind of mask,
+    # compiled for the rest.
+    modes = FAST_MODES if case in ("lstm_mask_zero", "gru_sequences_masking") else ("function",)
+    paths = check_rule(model, x, y, modes=modes)
     assert paths[rnn.name] == "fallback:vectorized"
     paths = explain(model).paths()
     assert paths.pop(rnn.name) == "fallback:vectorized"
