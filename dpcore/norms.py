@@ -67,7 +67,6 @@ __all__ = [
     "SHARED_MIN_OPS",
     "SHARED_MIN_WORK",
     "TF32_ROUNDOFF",
-    "UNSCALED_RANGE",
     "XLA_MIN_WORK",
     "abs_max",
     "compile_batched_product",
@@ -83,7 +82,6 @@ __all__ = [
     "outer_sum_error",
     "row_scale",
     "rows_sq_norm",
-    "scale_rows",
     "scaled_gram",
     "sq_norm_bound",
     "sum_of_norms",
@@ -576,36 +574,10 @@ def gram(x: tf.Tensor) -> tf.Tensor:
     return tf.matmul(x, x, transpose_b=True)
 
 
-# Examples whose largest magnitude lies in [2^-20, 2^40] (or is 0) are not rescaled: no float32
-# product or sum of their Gram matrices can overflow (d 2^80 < 2^127 for d < 2^47), and the
-# absolute flush term of each entry (3 d 2^-126) is at most 3 d 2^-86 times the example's squared
-# largest magnitude.
-UNSCALED_RANGE = (2.0**-20, 2.0**40)
-
-
-@_shared()
-def scale_rows(g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """``(g / s, s, m)`` for ``g [B, T, P]``, as :func:`gram_sq_norm_bound` expects its operands:
-    ``m`` is each example's largest magnitude and ``s`` its divisor, ``m`` (one float32 division
-    per entry) where ``m`` is outside :data:`UNSCALED_RANGE`, else 1. NaN and infinite rows are
-    divided (NaN rows stay NaN, infinite rows become NaN). When no example needs a division, ``g``
-    is returned as it is: dividing by 1 is exact, so each example's operand (and its Gram matrix)
-    is the same whichever other examples share its batch."""
-    g = tf.cast(g, tf.float32)
-    m = abs_max(g, axis=[1, 2])
-    low, high = UNSCALED_RANGE
-    as_is = ((m >= low) & (m <= high)) | tf.equal(m, 0.0)  # False for NaN
-    s = tf.where(as_is, tf.ones_like(m), m)
-    # A division, not a product with 1 / s: that reciprocal is subnormal for s > 2^126 and flushes
-    # to zero (every scaled entry with it).
-    scaled = tf.cond(tf.reduce_all(as_is), lambda: g, lambda: g / s[:, None, None])
-    return scaled, s, m
-
-
-# An example whose Gram diagonal, computed from its operand as it is, peaks in [2^-40, 2^80] (the
-# squared ends of UNSCALED_RANGE) keeps that operand and that Gram matrix: every entry is then at
-# most 2^40 in magnitude, so no product or sum overflows, and what flushes to zero is small
-# against the example.
+# An example whose Gram diagonal, computed from its operand as it is, peaks in [2^-40, 2^80] keeps
+# that operand and that Gram matrix: every entry is then at most 2^40 in magnitude, so no float32
+# product or sum of its Gram matrix can overflow (d 2^80 < 2^127 for d < 2^47), and the absolute
+# flush term of each entry (3 d 2^-126) is at most 3 d 2^-86 times its largest squared row norm.
 ORDINARY_DIAGONAL = (2.0**-40, 2.0**80)
 
 
@@ -643,8 +615,9 @@ def scaled_gram(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     :func:`gram_magnitudes` calls ordinary keeps its matrix (``s = 1``, ``m`` from its diagonal),
     and so does an all-zero one (``m = 0``; only the examples whose diagonal is all 0 are read
     again to tell them from examples whose squares flush to zero). Any other example (tiny, huge,
-    NaN or Inf) gets :func:`scale_rows`' treatment (``s = m``, its largest magnitude, and the
-    matrix recomputed from ``x / s``), in a branch taken only for a batch holding one. A kept
+    NaN or Inf) is divided by its largest magnitude (``s = m``; NaN rows stay NaN, infinite rows
+    become NaN) and its matrix recomputed from ``x / s``, in a branch taken only for a batch
+    holding one. A kept
     example's values are the same in either branch, so they never depend on the other examples
     of its batch; a batch of ordinary and all-zero examples needs no pass over ``x`` besides its
     Gram matrices and a read of its all-zero examples.
@@ -673,7 +646,8 @@ def _kept_or_divided(x: tf.Tensor, xx: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor,
     ones = tf.ones_like(m_ordinary, tf.float32)
 
     def divided() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-        # As scale_rows: a division, not a product with 1 / m (subnormal for m > 2^126).
+        # A division, not a product with 1 / m: that reciprocal is subnormal for m > 2^126 and
+        # flushes to zero (every scaled entry with it).
         m = abs_max(x, axis=[1, 2])
         s = tf.where(kept, ones, m)
         again = gram(x / s[:, None, None])
@@ -703,8 +677,8 @@ def gram_sq_norm_bound(
 
     For a layer whose Gram matrices are cheaper to form from structure than by a matmul (e.g. a
     tied embedding, whose lookup rows are one-hot): ``aa [B, T, T]`` and ``gg [B, T, T]`` are the
-    float32 Gram matrices of the example's operands after :func:`scaled_gram` or
-    :func:`scale_rows` (divided by ``a_scale`` and ``g_scale``), each entry computed from those
+    float32 Gram matrices of the example's operands as :func:`scaled_gram` makes them (divided by
+    ``a_scale`` and ``g_scale``), each entry computed from those
     scaled operands with an error of at most ``dot_gamma(d)`` (``dot_gamma(p)``) times the product
     of the two rows' norms, as a float32 dot product of length ``d`` (``p``) has in any summation
     order (an entry that is one rounded product, or exact, qualifies).

@@ -381,15 +381,17 @@ def test_ghost_bound_covers_products_that_flush_and_scales_near_float32_max(rng,
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
 def test_ghost_bound_of_an_example_does_not_depend_on_the_other_examples(rng, graph):
-    """Examples whose largest magnitude is in ``norms.UNSCALED_RANGE`` (or zero) are not divided
-    by it; a batch holding any other example divides that one, by a pass the kept examples do not
-    see. A kept example's bound is bitwise the same whether its batch needs that pass or not (the
-    batch's shape fixed, as dpcore's padded batches are), and under XLA also alone; kept
-    examples' bounds cover the float64 ground truth and are tight."""
+    """Examples whose Gram diagonal peaks in ``norms.ORDINARY_DIAGONAL`` (or which are zero) are
+    not divided by their largest magnitude; a batch holding any other example divides that one, by
+    a pass the kept examples do not see. A kept example's bound is bitwise the same whether its
+    batch needs that pass or not (the batch's shape fixed, as dpcore's padded batches are), and
+    under XLA also alone; kept examples' bounds cover the float64 ground truth and are tight."""
     t, d, p = (16, 64, 64) if graph else (5, 16, 8)
-    low, high = norms.UNSCALED_RANGE
+    # A largest magnitude of at least 2^-20 puts the diagonal's peak at 2^-40 or more; one of at
+    # most 2^37 keeps it at d 2^74 <= 2^80 (d <= 64).
+    low, high = 2.0**-20, 2.0**40
     kept_magnitudes = [1.0, low, high / 8, 0.0]
-    others = [low / 4, high * 4, 1e30, 1e-30]  # each needs the division
+    others = [low / 16, high * 4, 1e30, 1e-30]  # each needs the division (peak < 2^-40 or > 2^80)
     a = rng.normal(size=(8, t, d))
     a /= np.abs(a).max(axis=(1, 2), keepdims=True)  # largest magnitude exactly 1 ...
     a *= np.array(kept_magnitudes + others)[:, None, None]  # ... then the example's

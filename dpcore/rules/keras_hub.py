@@ -179,8 +179,9 @@ def _tied_grad(
         rows = tf.broadcast_to(tf.range(b, dtype=ids.dtype)[:, None], tf.shape(ids))
         per_example = tf.tensor_scatter_nd_add(per_example, tf.stack([rows, ids], -1), g)
         return from_per_example(table, per_example, path=path)
-    # Scale each example to magnitude 1 as dpcore.norms.scale_rows does for a dense A: the one-hot
-    # entries are 1, so the scale is max(1, max |dlogits|) and the lookup rows become r * onehot.
+    # Scale each example to magnitude 1 as dpcore.norms.scaled_gram divides a dense operand: the
+    # one-hot entries are 1, so the scale is max(1, max |dlogits|) and the lookup rows become
+    # r * onehot.
     m = norms.abs_max(dlogits, axis=[1, 2])  # no [B, P, vocab] copy of |dlogits|
     ma = tf.where(tf.math.is_nan(m), m, tf.maximum(m, 1.0))
     # Scaled by division (a reciprocal of a scale above 2^126 would flush to zero and take every
