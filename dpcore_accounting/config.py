@@ -125,7 +125,7 @@ class DPConfig:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Logical steps in the first pass: ceil(N / B) for both modes (`steps_for_epochs(1)`)."""
+        """Logical steps in one epoch: ceil(N / B) for both modes (`steps_for_epochs(1)`)."""
         return self.steps_for_epochs(1)
 
     def steps_for_epochs(self, epochs: float) -> int:
@@ -244,8 +244,9 @@ class DPConfig:
     def from_epochs(cls, *, epochs: float, **fields: Any) -> DPConfig:
         """A config whose `steps` cover `epochs` passes over the data.
 
-        Steps are `dpcore_accounting.steps_for_epochs(epochs, ...)`: Poisson ceil(epochs · N / B),
-        shuffle ceil(epochs · ceil(N / B)).
+        Steps are `dpcore_accounting.steps_for_epochs(epochs, ...)`: ceil(epochs · ceil(N / B))
+        for both modes, so `from_epochs(epochs=E).steps == E * steps_per_epoch` for whole E,
+        the steps `DPModel.fit(x, y, epochs=E)` runs.
         All other fields as for `DPConfig(...)`.
         """
         steps = _steps_for_epochs(epochs, fields)

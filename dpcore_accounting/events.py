@@ -164,12 +164,15 @@ def steps_for_epochs(
 ) -> int:
     """Logical steps after `epochs` passes over the data: the one definition dpcore uses.
 
-    Poisson: ceil(E · N / B), the steps whose expected examples cover E passes (TF Privacy's
-    `compute_dp_sgd_privacy` convention). Shuffle: ceil(E · ceil(N / B)), whole passes of
-    fixed-size batches, the last one padded. Training in epochs runs
-    `steps_for_epochs(k + 1) - steps_for_epochs(k)` steps in epoch k, so the steps after E
-    epochs are the same wherever they are counted (the CLI, `DPConfig.from_epochs`, the
-    training and audit scripts).
+    One epoch is S = ceil(N / B) logical steps, for both sampling modes: the batches that cover
+    the data once (Keras's `fit(batch_size=B)` count, a shuffled pass with its last batch
+    padded, Opacus's Poisson loader length); a Poisson epoch's expected examples S · B are at
+    least N. E epochs are ceil(E · S) steps, so whole epochs are whole multiples of S:
+    `steps_for_epochs(E) == E * steps_for_epochs(1)` for every integer E, and
+    `DPConfig.from_epochs`, `DPModel.fit(x, y, epochs=E)` (S steps per Keras epoch), the CLI
+    and the training scripts count the same steps. TF Privacy's statement counts
+    ceil(E · N / B) instead (fewer steps than its own Keras training runs when B does not
+    divide N); give `steps=` for its figure.
 
     Args:
       epochs: E > 0 (may be fractional); 0 gives 0 steps.
@@ -192,8 +195,9 @@ def steps_for_epochs(
         return 0
     if sampling == "shuffle":
         spe = shuffle_steps_per_epoch(num_examples=n, batch_size=int(expected_batch_size))
-        return max(1, math.ceil(float(epochs) * spe - 1e-9))
-    return max(1, math.ceil(float(epochs) * n / float(expected_batch_size) - 1e-9))
+    else:
+        spe = max(1, math.ceil(n / float(expected_batch_size) - 1e-9))
+    return max(1, math.ceil(float(epochs) * spe - 1e-9))
 
 
 def shuffle_epochs(*, steps: int, steps_per_epoch: int) -> int:

@@ -147,7 +147,7 @@ def sampling_plan(settings: AuditSettings, pool_size: int, num_examples: int) ->
     from dpcore.config import DPConfig
 
     batch = min(settings.batch_size, pool_size)
-    steps = DPConfig.from_epochs(  # the library's steps for E epochs: ceil(E · N / B)
+    steps = DPConfig.from_epochs(  # the library's steps for E epochs: ceil(E · ceil(N / B))
         epochs=settings.epochs,
         l2_norm_clip=settings.l2_norm_clip,
         noise_multiplier=0.0,

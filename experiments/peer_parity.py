@@ -113,13 +113,21 @@ def dpcore_statement(job: dict[str, Any]) -> dict[str, float]:
         epochs=job["epochs"],
     )
     shuffle = DPConfig.from_epochs(sampling="shuffle", **common)
-    poisson = DPConfig.from_epochs(sampling="poisson", **common)
+    common.pop("epochs")
+    poisson = DPConfig(sampling="poisson", steps=peer_poisson_steps(job), **common)
     return {
         "shuffle": shuffle.epsilon(job["accountant"]),
         "poisson": poisson.epsilon(job["accountant"]),
         "shuffle_steps": shuffle.steps,
         "poisson_steps": poisson.steps,
     }
+
+
+def peer_poisson_steps(job: dict[str, Any]) -> int:
+    """The peer's Poisson steps for ``epochs``: ceil(epochs · N / B). dpcore's
+    ``steps_for_epochs`` counts whole epochs of ceil(N / B) steps, more where B does not divide
+    N; the comparison is made at the peer's count."""
+    return max(1, math.ceil(job["epochs"] * job["n"] / job["batch"] - 1e-9))
 
 
 def dpcore_noise(job: dict[str, Any], accountant: str) -> float:
@@ -129,7 +137,7 @@ def dpcore_noise(job: dict[str, Any], accountant: str) -> float:
         target_epsilon=job["target_epsilon"],
         target_delta=job["delta"],
         accountant=accountant,
-        epochs=job["epochs"],
+        steps=peer_poisson_steps(job),
         l2_norm_clip=1.0,
         expected_batch_size=job["batch"],
         num_examples=job["n"],
@@ -139,8 +147,8 @@ def dpcore_noise(job: dict[str, Any], accountant: str) -> float:
 def epsilon_of(job: dict[str, Any], sigma: float, accountant: str) -> float:
     from dpcore.config import DPConfig
 
-    return DPConfig.from_epochs(
-        epochs=job["epochs"],
+    return DPConfig(
+        steps=peer_poisson_steps(job),
         l2_norm_clip=1.0,
         noise_multiplier=sigma,
         expected_batch_size=job["batch"],

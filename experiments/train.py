@@ -291,7 +291,7 @@ class Plan:
         return 0 if epoch == 0 else self.epoch_end_steps[epoch - 1]
 
     def epoch_steps(self, epoch: int) -> int:
-        """Logical steps in the epoch (they differ by one where N / B is not whole)."""
+        """Logical steps in the epoch: ceil(N / B), the library's steps per epoch."""
         return self.epoch_end_steps[epoch] - self.epoch_start(epoch)
 
 

@@ -233,7 +233,7 @@ def test_dp_audit_run_stays_below_claimed_epsilon(tmp_path):
     pool = results["dataset"]["pool_size"]
     # q and the steps come from the pool, not from the coins: the claimed ε is coin-independent.
     assert privacy["sampling_prob"] == pytest.approx(128 / pool)
-    assert privacy["steps"] == math.ceil(3 * pool / 128)
+    assert privacy["steps"] == 3 * math.ceil(pool / 128)  # steps_for_epochs(3)
     assert results["dataset"]["num_train"] == (
         results["dataset"]["pool_size"] - 400 + results["audit"]["num_included"]
     )

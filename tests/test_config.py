@@ -33,7 +33,7 @@ def test_fields_derived_values_and_frozen_keyword_only():
 
 def test_from_epochs_step_counts():
     poisson = DPConfig.from_epochs(epochs=60, **{k: v for k, v in BASE.items() if k != "steps"})
-    assert poisson.steps == math.ceil(60 * 60000 / 256) == 14063
+    assert poisson.steps == 60 * math.ceil(60000 / 256) == 14100
     shuffle = DPConfig.from_epochs(
         epochs=2,
         sampling="shuffle",
@@ -44,25 +44,30 @@ def test_from_epochs_step_counts():
 
 
 def test_one_definition_of_steps_for_epochs():
-    """Epoch k of a run in epochs ends at steps_for_epochs(k) wherever steps are counted."""
+    """An epoch is ceil(N / B) steps wherever steps are counted, and E whole epochs are E of
+    them: steps_for_epochs(1) * E, from_epochs(epochs=E) and the per-epoch ends all agree."""
     from dpcore.accounting import steps_for_epochs
 
     fields = {k: v for k, v in BASE.items() if k != "steps"}
     for sampling in ("poisson", "shuffle"):
         cfg = DPConfig.from_epochs(epochs=3, **{**fields, "sampling": sampling})
         ends = [cfg.steps_for_epochs(k) for k in range(4)]
-        assert ends[0] == 0 and ends[1] == cfg.steps_per_epoch == 235
-        assert ends[3] == cfg.steps
-        assert all(235 - 1 <= b - a <= 235 for a, b in zip(ends, ends[1:]))  # whole epochs
+        assert ends == [0, 235, 470, 705] and cfg.steps_per_epoch == 235 == ends[1]
+        assert ends[3] == cfg.steps == 3 * cfg.steps_for_epochs(1)
         for epochs in (0.5, 1, 2.5, 60):
             assert cfg.steps_for_epochs(epochs) == steps_for_epochs(
                 epochs, num_examples=60000, expected_batch_size=256, sampling=sampling
             )
-    # Poisson counts expected examples (ceil(E N / B)); shuffle counts whole padded passes.
-    assert steps_for_epochs(3, num_examples=60000, expected_batch_size=256) == 704
-    assert (
-        steps_for_epochs(3, num_examples=60000, expected_batch_size=256, sampling="shuffle") == 705
-    )
+        assert cfg.steps_for_epochs(0.5) == 118  # ceil(0.5 * 235)
+    # N / B = 22.67 (the two counts once gave 69 and 68): 23 steps per epoch, 69 for three.
+    small = dict(num_examples=1700, expected_batch_size=75)
+    assert steps_for_epochs(1, **small) * 3 == 69 == steps_for_epochs(3, **small)
+    assert DPConfig.from_epochs(epochs=3, **{**fields, **small}).steps == 69
+    for n, b in ((10, 3), (1797, 64), (60000, 2048), (1000, 7.5), (100, 100), (5, 0.5)):
+        one = steps_for_epochs(1, num_examples=n, expected_batch_size=b)
+        assert one == math.ceil(n / b) and one * b >= n  # an epoch's expected examples cover N
+        for e in range(1, 5):
+            assert steps_for_epochs(e, num_examples=n, expected_batch_size=b) == e * one
     assert steps_for_epochs(1, num_examples=10, expected_batch_size=10) == 1
     for bad in (-1, math.inf, math.nan, "2"):
         with pytest.raises(ValueError, match="epochs"):
@@ -74,7 +79,8 @@ def test_one_definition_of_steps_for_epochs():
 
 
 def test_classic_check_through_the_config():
-    cfg = DPConfig.from_epochs(epochs=60, **{k: v for k, v in BASE.items() if k != "steps"})
+    # TF Privacy's 60 epochs of its statement: ceil(60 N / B) = 14063 steps.
+    cfg = DPConfig(**{**BASE, "steps": math.ceil(60 * 60000 / 256)})
     assert cfg.epsilon("rdp") == pytest.approx(2.597, abs=1e-3)
     assert cfg.epsilon() == pytest.approx(2.382, abs=1e-3)
 

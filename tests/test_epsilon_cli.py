@@ -16,7 +16,8 @@ from dpcore_experiments import epsilon as cli
 from dpcore import accounting as acc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CLASSIC = dict(num_examples=60000, batch_size=256, epochs=60, steps=None, delta=1e-5)
+# TF Privacy's MNIST setting, 60 epochs as its statement counts them: ceil(60 N / B) steps.
+CLASSIC = dict(num_examples=60000, batch_size=256, epochs=None, steps=14063, delta=1e-5)
 
 
 def test_compute_matches_the_accountant_and_has_the_documented_keys():
@@ -42,6 +43,18 @@ def test_compute_matches_the_accountant_and_has_the_documented_keys():
     )
     assert "epsilon_assuming_poisson" not in result
     json.dumps(result)  # JSON-ready
+
+
+def test_epochs_are_whole_epochs_of_ceil_n_over_b_steps():
+    """--epochs counts the library's steps: 60 epochs of ceil(60000 / 256) = 235 steps."""
+    result = cli.compute(
+        noise_multiplier=1.1,
+        target_epsilon=None,
+        sampling="poisson",
+        accountant="rdp",
+        **{**CLASSIC, "epochs": 60, "steps": None},
+    )
+    assert result["steps"] == 60 * 235 == 14100
 
 
 def test_shuffle_reports_the_sound_bound_and_labels_the_poisson_assumption():
@@ -142,7 +155,7 @@ def test_compute_rejects_ambiguous_or_bad_input():
             target_epsilon=None,
             sampling="poisson",
             accountant="rdp",
-            **{**CLASSIC, "steps": 10},
+            **{**CLASSIC, "epochs": 60, "steps": 10},
         )
     with pytest.raises(ValueError, match=r"target_delta.*1\.5"):
         cli.compute(
@@ -162,7 +175,7 @@ def _script() -> list[str]:
 @pytest.mark.slow
 def test_console_script_writes_json(tmp_path):
     out = tmp_path / "eps.json"
-    args = ["--num_examples=60000", "--batch_size=256", "--epochs=60", "--noise_multiplier=1.1"]
+    args = ["--num_examples=60000", "--batch_size=256", "--steps=14063", "--noise_multiplier=1.1"]
     done = subprocess.run(
         _script() + args + ["--accountant=rdp", f"--output_json={out}"],
         capture_output=True,
@@ -189,7 +202,7 @@ def _imported_top_level(importtime_stderr: str) -> set[str]:
 @pytest.mark.parametrize("entry", ["console_script", "python_m_experiments"])
 def test_cli_answers_without_importing_tensorflow(entry):
     """Both entry points compute ε with dpcore_accounting alone: no TensorFlow, no dpcore."""
-    args = ["--num_examples=60000", "--batch_size=256", "--epochs=60", "--noise_multiplier=1.1"]
+    args = ["--num_examples=60000", "--batch_size=256", "--steps=14063", "--noise_multiplier=1.1"]
     if entry == "console_script":
         exe = shutil.which("dpcore-epsilon", path=os.path.dirname(sys.executable))
         if exe is None:

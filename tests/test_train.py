@@ -43,12 +43,12 @@ def test_cnn_is_the_tramer_boneh_architecture():
 def test_epochs_end_where_the_library_counts_steps_for_epochs():
     from dpcore.accounting import steps_for_epochs
 
-    # Poisson: ceil(E * N / B) after E epochs, so epochs of N / B = 29.3 steps run 30 or 29.
+    # Every epoch is ceil(N / B) = ceil(29.3) = 30 steps, so E epochs end at 30 E.
     plan = train.make_plan(_settings(epochs=3, batch_size=2048, dataset="fashion_mnist"), 60000)
-    assert plan.epoch_end_steps == (30, 59, 88)
-    assert [plan.epoch_steps(k) for k in range(3)] == [30, 29, 29]
+    assert plan.epoch_end_steps == (30, 60, 90)
+    assert [plan.epoch_steps(k) for k in range(3)] == [30, 30, 30]
     assert (
-        plan.total_steps == 88 == steps_for_epochs(3, num_examples=60000, expected_batch_size=2048)
+        plan.total_steps == 90 == steps_for_epochs(3, num_examples=60000, expected_batch_size=2048)
     )
     shuffle = train.make_plan(_settings(epochs=2, batch_size=2048, sampling="shuffle"), 60000)
     assert shuffle.epoch_end_steps == (30, 60)
