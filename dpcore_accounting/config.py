@@ -20,12 +20,18 @@ Contract:
     ε is then per unit, under add/remove-one-unit adjacency.
   * All fields are validated on construction; bad values raise `ValueError` naming the field
     and the value. δ >= 1/N triggers a `UserWarning`.
+  * Its ε and δ are those of the PLAN (`planned_epsilon`, `planned_delta`: all `steps`); what a
+    run spent is the ledger of the steps it applied (`dpcore.DPModel.epsilon()`,
+    `PrivacyLedger`). `epsilon()` / `delta()` are deprecated names of the planned figures.
+  * `planned_epsilon(max_examples_per_user=k)` is the user-level ε of an example-level run
+    whose users have at most k examples each (group privacy, `compute_group_epsilon`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import dp_accounting
@@ -172,30 +178,46 @@ class DPConfig:
             steps=self.steps,
         )
 
-    def epsilon(
+    def planned_epsilon(
         self,
         accountant: str = "pld",
         *,
         target_delta: float | None = None,
         assume_poisson: bool = False,
+        max_examples_per_user: int = 1,
     ) -> float:
-        """ε of the whole run at `target_delta` (default: the config's δ).
+        """ε of the planned run (all `steps`) at `target_delta` (default: the config's δ).
+
+        This is the plan: a model reports the ε of the steps it actually applied
+        (`dpcore.DPModel.epsilon()`, the `epsilon` entry of its `fit` logs).
+
+        Args:
+          accountant: `"pld"` (default) or `"rdp"`.
+          target_delta: δ; default `self.target_delta`. With `max_examples_per_user` > 1, the
+            user-level δ.
+          assume_poisson: shuffle only: the Poisson figure, an assumption (label it).
+          max_examples_per_user: k >= 1. With k > 1, the ε per user of an example-level run
+            where no user has more than k examples (group privacy, as TF Privacy's privacy
+            statement; see `dpcore_accounting.compute_group_epsilon`); 1 (default): per
+            example (per privacy unit).
 
         Privacy:
-          `assume_poisson=True` (shuffle) is an assumption, not a guarantee.
+          `assume_poisson=True` (shuffle) is an assumption, not a guarantee. A user-level figure
+          covers only users with at most `max_examples_per_user` examples.
         """
         delta = self.target_delta if target_delta is None else ev.check_delta(target_delta)
-        return ev.compute_epsilon(
+        return ev.compute_group_epsilon(
             self.dp_event(assume_poisson=assume_poisson),
+            max_examples_per_user=max_examples_per_user,
             target_delta=delta,
             accountant=accountant,
             neighboring=self.neighboring,
         )
 
-    def delta(
+    def planned_delta(
         self, *, target_epsilon: float, accountant: str = "pld", assume_poisson: bool = False
     ) -> float:
-        """δ of the whole run at ε = `target_epsilon`.
+        """δ of the planned run (all `steps`) at ε = `target_epsilon`.
 
         Privacy:
           `assume_poisson=True` (shuffle) is an assumption, not a guarantee.
@@ -205,6 +227,37 @@ class DPConfig:
             target_epsilon=target_epsilon,
             accountant=accountant,
             neighboring=self.neighboring,
+        )
+
+    def epsilon(
+        self,
+        accountant: str = "pld",
+        *,
+        target_delta: float | None = None,
+        assume_poisson: bool = False,
+    ) -> float:
+        """Deprecated name of `planned_epsilon` (the plan, not what a run spent)."""
+        warnings.warn(
+            "DPConfig.epsilon() is the planned run's epsilon; call DPConfig.planned_epsilon() "
+            "for it, and dp_model.epsilon() for the epsilon a model has spent.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.planned_epsilon(
+            accountant, target_delta=target_delta, assume_poisson=assume_poisson
+        )
+
+    def delta(
+        self, *, target_epsilon: float, accountant: str = "pld", assume_poisson: bool = False
+    ) -> float:
+        """Deprecated name of `planned_delta` (the plan, not what a run spent)."""
+        warnings.warn(
+            "DPConfig.delta() is the planned run's delta; call DPConfig.planned_delta() for it.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.planned_delta(
+            target_epsilon=target_epsilon, accountant=accountant, assume_poisson=assume_poisson
         )
 
     def new_ledger(self) -> PrivacyLedger:
@@ -271,7 +324,7 @@ class DPConfig:
           ValueError: invalid fields, or a target that no σ in range reaches.
 
         Privacy:
-          The returned config's `epsilon(accountant)` is <= target_epsilon.
+          The returned config's `planned_epsilon(accountant)` is <= target_epsilon.
         """
         if "noise_multiplier" in fields:
             raise ValueError(

@@ -20,12 +20,14 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import dp_accounting
-from dp_accounting import pld
+from dp_accounting import dp_event, pld
+from dp_accounting.pld import privacy_loss_distribution
 
 from dpcore_accounting._rdp import QuietRdpAccountant
 
@@ -35,6 +37,7 @@ __all__ = [
     "SAMPLING_MODES",
     "compute_delta",
     "compute_epsilon",
+    "compute_group_epsilon",
     "make_accountant",
     "neighboring_relation",
     "poisson_event",
@@ -42,6 +45,7 @@ __all__ = [
     "shuffle_event",
     "shuffle_steps_per_epoch",
     "steps_for_epochs",
+    "user_event",
 ]
 
 SAMPLING_MODES = ("poisson", "shuffle")
@@ -256,6 +260,55 @@ def shuffle_event(
 DEFAULT_PLD_DISCRETIZATION = 1e-4
 
 
+@functools.lru_cache(maxsize=8)
+def _subsampled_gaussian_pld(
+    noise_multiplier: float,
+    sampling_prob: float,
+    value_discretization_interval: float,
+    relation: dp_accounting.NeighboringRelation,
+) -> Any:
+    """dp-accounting's PLD of one Poisson-subsampled Gaussian step, built once per setting.
+
+    Building it is most of the cost of a PLD figure; a run's ε is asked again after every epoch
+    with the same (σ, q), and only the number of steps changes.
+    """
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        value_discretization_interval=value_discretization_interval,
+        sampling_prob=sampling_prob,
+        neighboring_relation=relation,
+    )
+
+
+class _CachedPldAccountant(pld.PLDAccountant):
+    """dp-accounting's `PLDAccountant`, reusing the PLD of one Poisson-subsampled Gaussian step.
+
+    It composes exactly what `PLDAccountant` composes (the same dp-accounting PLD,
+    `self_compose(count)`, then `compose`), so every figure is the same number; only the one-step
+    PLD of a (σ, q) already seen in this process is not built again. Every other event goes to
+    `PLDAccountant` itself.
+    """
+
+    def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool) -> Any:
+        if (
+            do_compose
+            and isinstance(event, dp_accounting.PoissonSampledDpEvent)
+            and isinstance(event.event, dp_accounting.GaussianDpEvent)
+            and event.sampling_probability != 0
+            and event.event.noise_multiplier != 0
+        ):
+            one_step = _subsampled_gaussian_pld(
+                float(event.event.noise_multiplier),
+                float(event.sampling_probability),
+                float(self._value_discretization_interval),
+                self.neighboring_relation,
+            )
+            composed = self._pld.compose(one_step.self_compose(count))  # type: ignore[has-type]
+            self._pld = composed
+            return None
+        return super()._maybe_compose(event, count, do_compose)
+
+
 def make_accountant(
     accountant: str = "pld",
     *,
@@ -281,7 +334,7 @@ def make_accountant(
     if accountant == "pld":
         if not _is_number(pld_discretization) or not 0 < float(pld_discretization) <= 0.1:
             raise ValueError(f"pld_discretization must be in (0, 0.1], got {pld_discretization!r}.")
-        return pld.PLDAccountant(
+        return _CachedPldAccountant(
             neighboring_relation=relation, value_discretization_interval=float(pld_discretization)
         )
     if neighboring != "add_remove":
@@ -362,3 +415,150 @@ def compute_delta(
     """
     eps = check_epsilon(target_epsilon)
     return float(_composed(event, accountant, neighboring, pld_discretization).get_delta(eps))
+
+
+def _log_expm1(x: float) -> float:
+    """log(e^x - 1) for x > 0, without overflow for large x."""
+    return x + math.log(-math.expm1(-x))
+
+
+_LOG_TEN = math.log(10.0)
+_SMALLEST_LOG_DELTA = math.log(1e-300)
+
+
+def user_event(
+    event: dp_accounting.DpEvent, *, max_examples_per_user: int
+) -> dp_accounting.DpEvent | None:
+    """The DpEvent of `event` for one user's at most k examples, where it is a DpEvent.
+
+    A Gaussian mechanism of noise multiplier σ on a clipped sum (sensitivity C per example) has
+    sensitivity k C for k examples: `GaussianDpEvent(σ / k)`, wherever the k examples fall in
+    the steps of the mechanism (their shifts add to at most k C in L2). A Poisson-sampled
+    Gaussian step takes each of the user's k examples independently with probability q: the
+    sum moves by j C with the binomial probability of j, a `MixtureOfGaussiansDpEvent` (PLD,
+    add/remove only). Compositions map part by part.
+
+    Returns:
+      The user-level event, or None when some part has no such form (then only group privacy
+      on (ε, δ) applies, see `compute_group_epsilon`).
+    """
+    k = check_positive_int(max_examples_per_user, "max_examples_per_user")
+    if isinstance(event, dp_accounting.NoOpDpEvent):
+        return event
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return dp_accounting.GaussianDpEvent(event.noise_multiplier / k)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        inner = user_event(event.event, max_examples_per_user=k)
+        return None if inner is None else dp_accounting.SelfComposedDpEvent(inner, event.count)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        parts = [user_event(e, max_examples_per_user=k) for e in event.events]
+        if any(p is None for p in parts):
+            return None
+        return dp_accounting.ComposedDpEvent(parts)
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+        event.event, dp_accounting.GaussianDpEvent
+    ):
+        q = float(event.sampling_probability)
+        probs = [math.comb(k, j) * q**j * (1.0 - q) ** (k - j) for j in range(k + 1)]
+        return dp_event.MixtureOfGaussiansDpEvent(
+            event.event.noise_multiplier, [float(j) for j in range(k + 1)], probs
+        )
+    return None
+
+
+def compute_group_epsilon(
+    event: dp_accounting.DpEvent,
+    *,
+    max_examples_per_user: int,
+    target_delta: float,
+    accountant: str = "pld",
+    neighboring: str = "add_remove",
+    pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
+) -> float:
+    """User-level ε of an example-level `event`, for users with at most k examples each.
+
+    The user-level ε at δ = `target_delta` of adding or removing (or, under `"replace_one"`,
+    replacing) all of one user's examples, as TF Privacy's privacy statement reports it for
+    `max_examples_per_user`:
+
+    * where the accountant supports `user_event(event)` (Gaussian epochs with any accountant;
+      Poisson steps with PLD and add/remove adjacency), that event's ε;
+    * otherwise group privacy: an (ε₁, δ₁)-DP mechanism for one example is, for k examples,
+      (k ε₁, δ₁ (e^(k ε₁) - 1) / (e^ε₁ - 1))-DP (Vadhan 2017, "The complexity of differential
+      privacy", Lemma 2.2, with the sum its proof bounds). ε₁(δ₁) comes from the accountant
+      composed once with `event`; the largest δ₁ (in decades, then bisection in log δ₁) whose
+      group δ is at most `target_delta` gives k ε₁(δ₁).
+
+    Args:
+      event: the DpEvent of the example-level run.
+      max_examples_per_user: k >= 1; k = 1 gives the example-level ε.
+      target_delta: the user-level δ in (0, 1).
+      accountant: `"pld"` (default) or `"rdp"`.
+      neighboring: `"add_remove"` (default) or `"replace_one"`.
+      pld_discretization: PLD value discretization interval.
+
+    Returns:
+      The user-level ε; `math.inf` when group privacy reaches no δ₁ whose group δ is as small as
+      `target_delta` (a loose conversion: a finite example-level ε can give an infinite bound).
+
+    Privacy:
+      Covers every user with at most k examples; a user with more is not covered.
+    """
+    k = check_positive_int(max_examples_per_user, "max_examples_per_user")
+    delta = check_delta(target_delta)
+    if k == 1:
+        return compute_epsilon(
+            event,
+            target_delta=delta,
+            accountant=accountant,
+            neighboring=neighboring,
+            pld_discretization=pld_discretization,
+        )
+    grouped = user_event(event, max_examples_per_user=k)
+    if grouped is not None:
+        acc = make_accountant(
+            accountant, neighboring=neighboring, pld_discretization=pld_discretization
+        )
+        if acc.supports(grouped):
+            return compute_epsilon(
+                grouped,
+                target_delta=delta,
+                accountant=accountant,
+                neighboring=neighboring,
+                pld_discretization=pld_discretization,
+            )
+    composed = _composed(event, accountant, neighboring, pld_discretization)
+    log_target = math.log(delta)
+    example_epsilons: dict[float, float] = {}
+
+    def example_epsilon(log_delta: float) -> float:
+        if log_delta not in example_epsilons:
+            example_epsilons[log_delta] = float(composed.get_epsilon(math.exp(log_delta)))
+        return example_epsilons[log_delta]
+
+    def excess(log_delta: float) -> float:
+        """log(group δ) - log(target δ) at the example-level δ₁ = exp(log_delta)."""
+        eps = example_epsilon(log_delta)
+        if not math.isfinite(eps):
+            return math.inf
+        # (e^(k ε) - 1) / (e^ε - 1) tends to k as ε -> 0.
+        growth = math.log(k) if eps <= 0 else _log_expm1(k * eps) - _log_expm1(eps)
+        return log_delta + growth - log_target
+
+    # The group δ is at least δ₁, so δ₁ < δ: step down a decade at a time to a δ₁ whose group δ
+    # is small enough (lo), keeping the last one whose group δ was not (hi).
+    hi = log_target
+    lo = hi - _LOG_TEN
+    while excess(lo) > 0:
+        if not math.isfinite(excess(lo)) or lo < _SMALLEST_LOG_DELTA:
+            return math.inf
+        hi, lo = lo, lo - _LOG_TEN
+    while hi - lo > 1e-12 * max(1.0, abs(lo)):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if excess(mid) > 0:
+            hi = mid
+        else:
+            lo = mid
+    return k * example_epsilon(lo)  # the group δ at lo is <= target_delta

@@ -8,14 +8,18 @@ import. Give `--noise_multiplier` to get ε, or `--target_epsilon` to get the ca
 multiplier (and its ε). Shuffled batches get the sound no-amplification bound;
 `--poisson_assumption` adds the Poisson figure, labelled as an assumption. `--privacy_unit`
 names what one unit is: with `user`, `--num_examples` and `--batch_size` count users, the event
-samples users, and the output says "epsilon per user". Bad flag values exit with a message
-naming the flag.
+samples users, and the output says "epsilon per user". `--max_examples_per_user=k` adds, next to
+the example-level ε, the ε per user of an example-level run in which no user has more than k
+examples (group privacy, `DPConfig.planned_epsilon(max_examples_per_user=k)`). Bad flag values
+exit with a message naming the flag.
 
 Examples:
   dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --noise_multiplier=1.1
   dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --target_epsilon=3
   dpcore-epsilon --privacy_unit=user --num_examples=5000 --batch_size=50 --steps=2000 \
       --noise_multiplier=1.0
+  dpcore-epsilon --num_examples=10000 --batch_size=64 --epochs=5 --noise_multiplier=1.0 \
+      --max_examples_per_user=3
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ def _define_flags() -> None:
         "With --sampling=shuffle, also report ε as if batches were Poisson sampled (an "
         "assumption, not a guarantee).",
     )
+    flags.DEFINE_integer(
+        "max_examples_per_user",
+        None,
+        "Also report epsilon per user for users with at most this many examples each (group "
+        "privacy over an example-level run).",
+    )
     flags.DEFINE_string("output_json", None, "Write the result as JSON to this path.")
 
 
@@ -82,11 +92,13 @@ def compute(
     neighboring: str = "add_remove",
     poisson_assumption: bool = False,
     privacy_unit: str = "example",
+    max_examples_per_user: int | None = None,
 ) -> dict[str, Any]:
     """The result dict the CLI prints/writes (also usable from Python).
 
     `num_examples` and `batch_size` count privacy units (`privacy_unit`, e.g. users), and
-    the ε is per unit.
+    the ε is per unit. With `max_examples_per_user=k`, also `epsilon_per_user`: the ε of
+    adding or removing one user who has at most k units (group privacy), at the same δ.
     """
     from dpcore_accounting import DPConfig
 
@@ -99,6 +111,14 @@ def compute(
         )
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(f"--privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}.")
+    if max_examples_per_user is not None and (
+        isinstance(max_examples_per_user, bool)
+        or not isinstance(max_examples_per_user, int)
+        or max_examples_per_user < 1
+    ):
+        raise ValueError(
+            f"--max_examples_per_user must be an integer >= 1, got {max_examples_per_user!r}."
+        )
     fields: dict[str, Any] = dict(
         l2_norm_clip=1.0,  # does not affect ε
         expected_batch_size=batch_size,
@@ -121,7 +141,7 @@ def compute(
     else:
         config = DPConfig.from_epochs(epochs=epochs, noise_multiplier=noise_multiplier, **fields)
     result: dict[str, Any] = {
-        "epsilon": config.epsilon(accountant),
+        "epsilon": config.planned_epsilon(accountant),
         "delta": config.target_delta,
         "noise_multiplier": config.noise_multiplier,
         "steps": config.steps,
@@ -140,11 +160,20 @@ def compute(
         "delta_warning": config.target_delta >= 1.0 / config.num_examples,
     }
     if poisson_assumption and config.sampling == "shuffle":
-        result["epsilon_assuming_poisson"] = config.epsilon(accountant, assume_poisson=True)
+        result["epsilon_assuming_poisson"] = config.planned_epsilon(accountant, assume_poisson=True)
         result["epsilon_assuming_poisson_note"] = (
             "ASSUMPTION: as if batches were Poisson sampled with the same rate; shuffled "
             "batches do not provably get this amplification."
         )
+    if max_examples_per_user is not None:
+        result["max_examples_per_user"] = max_examples_per_user
+        result["epsilon_per_user"] = config.planned_epsilon(
+            accountant, max_examples_per_user=max_examples_per_user
+        )
+        if "epsilon_assuming_poisson" in result:
+            result["epsilon_per_user_assuming_poisson"] = config.planned_epsilon(
+                accountant, max_examples_per_user=max_examples_per_user, assume_poisson=True
+            )
     return result
 
 
@@ -178,6 +207,20 @@ def format_result(result: dict[str, Any]) -> str:
             f"epsilon assuming Poisson sampling = {result['epsilon_assuming_poisson']:.4f} "
             "(an assumption, not a guarantee)"
         )
+    if "epsilon_per_user" in result:
+        k = result["max_examples_per_user"]
+        each = "example" if unit == "example" else unit
+        lines.append(
+            f"epsilon per user with at most {k} {each}s = {result['epsilon_per_user']:.4f} at "
+            f"delta = {result['delta']:g} (group privacy; a user with more {each}s is not "
+            "covered)"
+        )
+        if "epsilon_per_user_assuming_poisson" in result:
+            lines.append(
+                "epsilon per user assuming Poisson sampling = "
+                f"{result['epsilon_per_user_assuming_poisson']:.4f} (an assumption, not a "
+                "guarantee)"
+            )
     if result["delta_warning"]:
         lines.append(
             f"WARNING: delta = {result['delta']:g} >= 1/N = {1.0 / result['num_examples']:.3g}; "
@@ -207,6 +250,7 @@ def main(argv: list[str]) -> int:
                 neighboring=FLAGS.neighboring,
                 poisson_assumption=FLAGS.poisson_assumption,
                 privacy_unit=FLAGS.privacy_unit,
+                max_examples_per_user=FLAGS.max_examples_per_user,
             )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

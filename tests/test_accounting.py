@@ -446,7 +446,7 @@ def test_rdp_convergence_warnings_of_dp_accounting_are_dropped_only_inside_dpcor
         sigma = acc.calibrate_noise_multiplier(target_epsilon=8.0, target_delta=1e-5,
                                                sampling_prob=128 / 1438, steps=113,
                                                accountant="rdp")
-        print(config.epsilon("rdp") == ours, sigma > 0)
+        print(config.planned_epsilon("rdp") == ours, sigma > 0)
         print("--- direct dp-accounting call ---", file=sys.stderr, flush=True)
         direct = rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
         print(repr(ours), repr(float(direct)))
@@ -461,3 +461,25 @@ def test_rdp_convergence_warnings_of_dp_accounting_are_dropped_only_inside_dpcor
     assert checks == "True True"
     ours, direct = (float(v) for v in values.split())
     assert ours == direct and 7.0 < ours < 8.0  # value unchanged (7.4415 for this event)
+
+
+def test_pld_accountant_reusing_one_step_plds_gives_dp_accountings_numbers():
+    """make_accountant("pld") keeps the one-step PLD of each (σ, q): every figure must stay the
+    number dp-accounting's own PLDAccountant gives, on first use and when reused."""
+    ledger = acc.PrivacyLedger(num_examples=1000)
+    ledger.record_steps(steps=7, noise_multiplier=1.3, sampling_prob=0.05)
+    ledger.record_steps(steps=5, noise_multiplier=0.9, sampling_prob=0.05)
+    ledger.record_steps(steps=3, noise_multiplier=1.3, sampling_prob=0.05)
+    shuffle = acc.shuffle_event(noise_multiplier=1.2, steps_per_epoch=10, steps=25)
+    for event in (ledger.dp_event(), shuffle, ledger.dp_event()):
+        for neighboring, relation in acc.NEIGHBORING_RELATIONS.items():
+            want = pld.PLDAccountant(relation, value_discretization_interval=FAST)
+            want.compose(event)
+            got = acc.compute_epsilon(
+                event, target_delta=1e-5, neighboring=neighboring, pld_discretization=FAST
+            )
+            assert got == want.get_epsilon(1e-5)
+            delta = acc.compute_delta(
+                event, target_epsilon=2.0, neighboring=neighboring, pld_discretization=FAST
+            )
+            assert delta == want.get_delta(2.0)

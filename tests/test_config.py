@@ -4,6 +4,8 @@ import dataclasses
 import math
 import warnings
 
+import dp_accounting
+import dp_accounting.rdp
 import pytest
 
 from dpcore import accounting as acc
@@ -161,3 +163,87 @@ def test_dict_round_trip():
     data = cfg.to_dict()
     assert data["sampling_prob"] == cfg.sampling_prob and data["epochs"] == cfg.epochs
     assert DPConfig.from_dict(data) == cfg
+
+
+# TF Privacy's privacy statement test (compute_dp_sgd_privacy_test, DP_SGD_STATEMENT_KWARGS):
+# 10000 examples, batch 64, 5 epochs, noise multiplier 2.0 "with microbatching", which TF Privacy
+# accounts as noise multiplier 1.0 (its microbatches double the sensitivity), delta 1e-6. Its
+# expected figures, printed to 3 decimals: (example, user) for each epoch order and k.
+TFP_STATEMENT = dict(
+    l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=64, num_examples=10000,
+    target_delta=1e-6,
+)  # fmt: skip
+
+
+def _tfp_runs():
+    shuffle = DPConfig.from_epochs(epochs=5.0, sampling="shuffle", **TFP_STATEMENT)
+    poisson = DPConfig.from_epochs(epochs=5.0, **TFP_STATEMENT)
+    assert (shuffle.steps, shuffle.steps_per_epoch, poisson.steps) == (785, 157, 782)
+    return shuffle, poisson
+
+
+@pytest.mark.parametrize(
+    "k, once_per_epoch, poisson",
+    [(1, 13.376, 1.616), (3, 56.224, 6.425), (10, 366.374, math.inf)],
+)
+def test_user_level_epsilon_matches_tf_privacy_statement_rdp(k, once_per_epoch, poisson):
+    """test_dp_sgd_privacy_statement_(no_)user_dp(_infinite)_with_rdp: example- and user-level."""
+    shuffle_run, poisson_run = _tfp_runs()
+    got_shuffle = shuffle_run.planned_epsilon("rdp", max_examples_per_user=k)
+    got_poisson = poisson_run.planned_epsilon("rdp", max_examples_per_user=k)
+    assert round(got_shuffle, 3) == once_per_epoch
+    assert (round(got_poisson, 3) if math.isfinite(got_poisson) else got_poisson) == poisson
+    if k > 1:  # a user-level figure is never below the example-level one
+        assert got_poisson >= poisson_run.planned_epsilon("rdp")
+        assert got_shuffle > shuffle_run.planned_epsilon("rdp")
+    else:
+        assert got_poisson == poisson_run.planned_epsilon("rdp")
+
+
+@pytest.mark.slow
+def test_user_level_epsilon_matches_tf_privacy_statement_pld():
+    """test_dp_sgd_privacy_statement_user_dp_with_pld (at most 2 examples per user)."""
+    shuffle_run, poisson_run = _tfp_runs()
+    assert round(shuffle_run.planned_epsilon(), 3) == 12.595
+    assert round(poisson_run.planned_epsilon(), 3) == 1.199
+    assert round(shuffle_run.planned_epsilon(max_examples_per_user=2), 3) == 30.579
+    assert round(poisson_run.planned_epsilon(max_examples_per_user=2), 3) == 2.532
+
+
+def test_group_privacy_conversion_is_vadhan_lemma_at_the_returned_point():
+    """Where no user-level event exists (RDP, Poisson), k ε₁ at the largest example δ₁ whose
+    group δ₁ (e^(kε₁) - 1) / (e^ε₁ - 1) is <= δ: check that δ₁ against dp-accounting."""
+    _, run = _tfp_runs()
+    k, delta = 3, 1e-6
+    user = run.planned_epsilon("rdp", max_examples_per_user=k)
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(run.dp_event())
+
+    def group_delta(example_delta):
+        eps = accountant.get_epsilon(example_delta)
+        return example_delta * math.expm1(k * eps) / math.expm1(eps), eps
+
+    # Find δ₁ with k ε₁(δ₁) = user by bisection, independently of the library's search.
+    lo, hi = 1e-300, delta
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if k * accountant.get_epsilon(mid) > user:
+            lo = mid
+        else:
+            hi = mid
+    got_delta, eps = group_delta(hi)
+    assert k * eps == pytest.approx(user, rel=1e-9)
+    assert got_delta <= delta * (1 + 1e-6)
+    assert group_delta(hi * 1.001)[0] > delta  # and no larger δ₁ would do
+
+
+def test_planned_epsilon_is_the_old_epsilon_which_is_deprecated():
+    cfg = DPConfig(**BASE)
+    with pytest.warns(DeprecationWarning, match="planned_epsilon"):
+        old = cfg.epsilon("rdp")
+    assert old == cfg.planned_epsilon("rdp")
+    with pytest.warns(DeprecationWarning, match="planned_delta"):
+        old_delta = cfg.delta(target_epsilon=2.0, accountant="rdp")
+    assert old_delta == cfg.planned_delta(target_epsilon=2.0, accountant="rdp")
+    with pytest.raises(ValueError, match="max_examples_per_user"):
+        cfg.planned_epsilon(max_examples_per_user=0)

@@ -222,3 +222,46 @@ def test_cli_answers_without_importing_tensorflow(entry):
     imported = _imported_top_level(done.stderr)
     assert {"dp_accounting", "dpcore_accounting"} <= imported  # the parse saw the imports
     assert not imported & {"tensorflow", "keras", "dpcore"}, sorted(imported)
+
+
+def test_user_level_epsilon_next_to_the_example_level_one():
+    """--max_examples_per_user: TF Privacy's statement test (RDP, k = 3), both figures."""
+    args = dict(num_examples=10000, batch_size=64, epochs=5.0, steps=None, delta=1e-6)
+    result = cli.compute(
+        noise_multiplier=1.0,
+        target_epsilon=None,
+        accountant="rdp",
+        sampling="poisson",
+        max_examples_per_user=3,
+        **args,
+    )
+    assert round(result["epsilon"], 3) == 1.616 and round(result["epsilon_per_user"], 3) == 6.425
+    text = cli.format_result(result)
+    assert f"epsilon = {result['epsilon']:.4f} at delta = 1e-06" in text
+    assert (
+        f"epsilon per user with at most 3 examples = {result['epsilon_per_user']:.4f} at "
+        "delta = 1e-06 (group privacy"
+    ) in text
+    shuffle = cli.compute(
+        noise_multiplier=1.0,
+        target_epsilon=None,
+        accountant="rdp",
+        sampling="shuffle",
+        max_examples_per_user=3,
+        poisson_assumption=True,
+        **args,
+    )
+    assert round(shuffle["epsilon"], 3) == 13.376
+    assert round(shuffle["epsilon_per_user"], 3) == 56.224
+    # 785 shuffled steps (5 whole passes), so a little above TF Privacy's 782-step figure.
+    assert shuffle["epsilon_per_user_assuming_poisson"] > result["epsilon_per_user"]
+    assert "epsilon per user assuming Poisson sampling" in cli.format_result(shuffle)
+    with pytest.raises(ValueError, match="max_examples_per_user"):
+        cli.compute(
+            noise_multiplier=1.0,
+            target_epsilon=None,
+            accountant="rdp",
+            sampling="poisson",
+            max_examples_per_user=0,
+            **args,
+        )

@@ -43,7 +43,7 @@ def test_dpcore_accounting_computes_epsilon_without_tensorflow():
             target_epsilon=1.0, target_delta=1e-5, sampling_prob=config.sampling_prob,
             steps=1000, accountant="rdp")
         eps = ledger.epsilon(target_delta=1e-5)
-        print(config.epsilon("pld"), config.epsilon("rdp"), eps, sigma)
+        print(config.planned_epsilon("pld"), config.planned_epsilon("rdp"), eps, sigma)
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras", "dpcore"})
         print("loaded:", loaded)
         """
