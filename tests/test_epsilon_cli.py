@@ -226,13 +226,15 @@ def test_cli_answers_without_importing_tensorflow(entry):
 
 def test_user_level_epsilon_next_to_the_example_level_one():
     """--max_examples_per_user: TF Privacy's statement test (RDP, k = 3), both figures."""
-    args = dict(num_examples=10000, batch_size=64, epochs=5.0, steps=None, delta=1e-6)
-    result = cli.compute(
+    args = dict(num_examples=10000, batch_size=64, delta=1e-6)
+    result = cli.compute(  # TF Privacy's Poisson count for 5 epochs: ceil(5 N / B) steps
         noise_multiplier=1.0,
         target_epsilon=None,
         accountant="rdp",
         sampling="poisson",
         max_examples_per_user=3,
+        epochs=None,
+        steps=782,
         **args,
     )
     assert round(result["epsilon"], 3) == 1.616 and round(result["epsilon_per_user"], 3) == 6.425
@@ -249,11 +251,13 @@ def test_user_level_epsilon_next_to_the_example_level_one():
         sampling="shuffle",
         max_examples_per_user=3,
         poisson_assumption=True,
+        epochs=5.0,
+        steps=None,
         **args,
     )
     assert round(shuffle["epsilon"], 3) == 13.376
     assert round(shuffle["epsilon_per_user"], 3) == 56.224
-    # 785 shuffled steps (5 whole passes), so a little above TF Privacy's 782-step figure.
+    # 785 shuffled steps (5 whole passes of 157), so a little above the 782-step figure.
     assert shuffle["epsilon_per_user_assuming_poisson"] > result["epsilon_per_user"]
     assert "epsilon per user assuming Poisson sampling" in cli.format_result(shuffle)
     with pytest.raises(ValueError, match="max_examples_per_user"):
@@ -263,5 +267,7 @@ def test_user_level_epsilon_next_to_the_example_level_one():
             accountant="rdp",
             sampling="poisson",
             max_examples_per_user=0,
+            epochs=5.0,
+            steps=None,
             **args,
         )
