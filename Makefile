@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[test,experiments]'
 	touch $(STAMP)
 
+# The main job; its last line names the run's results.json (under runs/).
 train: $(STAMP)
-	$(VENV)/bin/python experiments/train.py
+	$(VENV)/bin/dpcore-train
 
 # Real Fashion-MNIST (Debian package dataset-fashion-mnist) for the tests that read it and for
 # experiments/train.py --dataset=fashion_mnist. Installed when possible (root with apt-get);

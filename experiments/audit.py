@@ -18,14 +18,14 @@ Contract:
     treatment of the dataset size as public, which the audit tests along with the rest.
   * `--nodp` trains the same pipeline with noise_multiplier = 0 and l2_norm_clip = inf (no
     clipping, no noise): claimed ε = inf; the audit should then find a clearly positive bound.
-  * `<out_dir>/audit.json` holds the settings, the claimed ε, the audit (best bound, and per
+  * `<output_dir>/audit.json` holds the settings, the claimed ε, the audit (best bound, and per
     number of guesses: guesses, correct, bound), canary loss statistics and test accuracy;
-    `<out_dir>/audit.png` plots the bound against the number of guesses with the claimed ε.
+    `<output_dir>/audit.png` plots the bound against the number of guesses with the claimed ε.
 
 Example (two of the acceptance runs recorded in PRIVACY.md):
 
-  python experiments/audit.py --target_epsilon=2 --out_dir=runs/audit_eps2
-  python experiments/audit.py --nodp --epochs=300 --log_every=100 --out_dir=runs/audit_nodp
+  dpcore-audit --target_epsilon=2 --output_dir=runs/audit_eps2
+  dpcore-audit --nodp --epochs=300 --log_every=100 --output_dir=runs/audit_nodp
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from dpcore_experiments import common
+from dpcore_experiments import cli, common
 from dpcore_experiments.train import DATASETS, MODELS, build_model
 
 SCORES = ("loss", "loss_decrease")
@@ -68,32 +68,35 @@ class AuditSettings:
     seed: int = 0
     max_train_examples: int | None = None
     log_every: int = 10
-    out_dir: str | None = None
+    output_dir: str | None = None
     verbose: int = 1
 
     def __post_init__(self) -> None:
+        # Messages name the command-line flag (--delta is the field target_delta).
         checks = [
-            (self.dataset in DATASETS, f"dataset must be one of {DATASETS}"),
-            (self.model in MODELS, f"model must be one of {MODELS}"),
-            (self.score in SCORES, f"score must be one of {SCORES}"),
-            (self.num_canaries >= 2, "num_canaries must be >= 2"),
-            (self.epochs >= 1, "epochs must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (0 < self.target_delta < 1, "target_delta must be in (0, 1)"),
-            (0 < self.beta < 1, "beta must be in (0, 1)"),
-            (self.seed >= 0, "seed must be >= 0"),
-            (self.log_every >= 1, "log_every must be >= 1"),
+            (self.dataset in DATASETS, f"--dataset must be one of {DATASETS}"),
+            (self.model in MODELS, f"--model must be one of {MODELS}"),
+            (self.score in SCORES, f"--score must be one of {SCORES}"),
+            (self.num_canaries >= 2, "--num_canaries must be >= 2"),
+            (self.epochs >= 1, "--epochs must be >= 1"),
+            (self.batch_size >= 1, "--batch_size must be >= 1"),
+            (self.learning_rate > 0, "--learning_rate must be > 0"),
+            (0 < self.target_delta < 1, "--delta must be in (0, 1)"),
+            (0 < self.beta < 1, "--beta must be in (0, 1)"),
+            (self.seed >= 0, "--seed must be >= 0"),
+            (self.log_every >= 1, "--log_every must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"{message}; got {dataclasses.asdict(self)}.")
+                field = message.split()[0][2:]
+                value = getattr(self, "target_delta" if field == "delta" else field)
+                raise ValueError(f"{message}, got {value!r}.")
         if self.dp:
             if not (math.isfinite(self.l2_norm_clip) and self.l2_norm_clip > 0):
-                raise ValueError(f"l2_norm_clip must be finite and > 0, got {self.l2_norm_clip}.")
+                raise ValueError(f"--l2_norm_clip must be finite and > 0, got {self.l2_norm_clip}.")
             if (self.noise_multiplier is None) == (self.target_epsilon is None):
                 raise ValueError(
-                    "A DP audit needs exactly one of noise_multiplier, target_epsilon."
+                    "A DP audit needs exactly one of --noise_multiplier, --target_epsilon."
                 )
 
 
@@ -102,13 +105,14 @@ def build_audit_data(settings: AuditSettings) -> dict[str, Any]:
     """Canaries, the audited training set and the test split ([n, h, w, 1] images)."""
     from dpcore import audit, data
 
-    (x, y), (x_test, y_test) = data.load_dataset(settings.dataset, settings.data_dir)
+    with cli.user_errors(FileNotFoundError, ValueError):  # the user's data files
+        (x, y), (x_test, y_test) = data.load_dataset(settings.dataset, settings.data_dir)
     if settings.max_train_examples is not None:
         x, y = x[: settings.max_train_examples], y[: settings.max_train_examples]
     x, x_test = x[..., None], x_test[..., None]
     if settings.num_canaries >= len(y):
-        raise ValueError(
-            f"num_canaries={settings.num_canaries} must be below the {len(y)} training examples."
+        raise cli.UserError(
+            f"--num_canaries={settings.num_canaries} must be below the {len(y)} training examples."
         )
     canaries = audit.random_label_canaries(
         x, y, num_canaries=settings.num_canaries, num_classes=10, seed=settings.seed
@@ -251,10 +255,10 @@ def _train(settings: AuditSettings, dp_model: Any, data: dict[str, Any], plan: S
 
 
 def run_audit(settings: AuditSettings) -> dict[str, Any]:
-    """Trains with canaries, audits, and writes audit.json / audit.png when `out_dir` is set.
+    """Trains with canaries, audits, and writes audit.json / audit.png when `output_dir` is set.
 
     Returns:
-      The results dict (also written to `<out_dir>/audit.json`).
+      The results dict (also written to `<output_dir>/audit.json`).
 
     Privacy:
       The trained model is (ε, δ)-DP for the claimed ε (PLD) over the pool of records; the
@@ -315,11 +319,11 @@ def run_audit(settings: AuditSettings) -> dict[str, Any]:
         "wall_time_s": time.perf_counter() - start,
     }
     results["claimed_epsilon"] = results["privacy"]["epsilon"]
-    if settings.out_dir:
+    if settings.output_dir:
         common.write_json_atomic(
-            os.path.join(settings.out_dir, RESULTS_FILE), results, sort_keys=True, default=str
+            os.path.join(settings.output_dir, RESULTS_FILE), results, sort_keys=True, default=str
         )
-        plot(results, os.path.join(settings.out_dir, PLOT_FILE))
+        plot(results, os.path.join(settings.output_dir, PLOT_FILE))
     return results
 
 
@@ -403,7 +407,10 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seed", d.seed, "Seed of canaries, coins, sampling, noise and init.")
     flags.DEFINE_integer("max_train_examples", None, "Use only the first N training examples.")
     flags.DEFINE_integer("log_every", d.log_every, "Print progress every N epochs.")
-    flags.DEFINE_string("out_dir", None, "Where audit.json and audit.png go.")
+    flags.DEFINE_string(
+        "output_dir", None, "Where audit.json and audit.png go (default runs/audit-<time>/)."
+    )
+    flags.DEFINE_alias("out_dir", "output_dir")
     flags.DEFINE_integer("verbose", d.verbose, "0: quiet, 1: progress.")
 
 
@@ -430,20 +437,44 @@ def settings_from_flags() -> AuditSettings:
         seed=f.seed,
         max_train_examples=f.max_train_examples,
         log_every=f.log_every,
-        out_dir=f.out_dir,
+        output_dir=f.output_dir,
         verbose=f.verbose,
     )
 
 
-def main(argv: list[str]) -> None:
+HELP = """dpcore-audit: measures how much a DP training run leaks, next to the ε it claims.
+
+Trains once with random-label canaries, each included with probability 1/2, guesses from
+the canaries' losses which ones were trained on, and prints an empirical lower bound on ε
+(one-run audit, Steinke, Nasr & Jagielski 2023) next to the claimed ε. A correct DP
+implementation gives a lower bound at or below the claimed ε. Writes audit.json and audit.png
+to --output_dir (default runs/audit-<date>-<time>/).
+
+Examples:
+  dpcore-audit --target_epsilon=2
+  dpcore-audit --nodp --epochs=300 --log_every=100   # no noise: the bound should be large
+"""
+
+
+def prepare(argv: list[str]) -> AuditSettings:
+    """The audit's settings from the flags, with the data and output folder checked."""
+    from absl import flags
+
+    cli.check_no_arguments(argv)
+    f = flags.FLAGS
+    with cli.user_errors(ValueError):
+        settings = settings_from_flags()
+    cli.check_dataset(f.dataset, f.data_dir)
+    return dataclasses.replace(settings, output_dir=cli.output_dir(f.output_dir, "audit"))
+
+
+def execute(settings: AuditSettings) -> None:
+    """Audits and prints the summary; the last line names audit.json."""
     from absl import flags, logging
 
-    if len(argv) > 1:
-        raise ValueError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         # Quiet dp-accounting's notes on RDP orders it skips while calibrating σ.
         logging.set_verbosity(logging.ERROR)
-    settings = settings_from_flags()
     results = run_audit(settings)
     best = results["audit"]["best"]
     claimed = results["claimed_epsilon"]
@@ -458,15 +489,12 @@ def main(argv: list[str]) -> None:
         f"(confidence {1 - settings.beta:g}; m={results['audit']['num_canaries']}, "
         f"best k={best['k']}: {best['num_correct']}/{best['num_guesses']} guesses correct)"
     )
-    if settings.out_dir:
-        print(f"results: {os.path.join(settings.out_dir, RESULTS_FILE)}")
+    print(f"results: {os.path.join(settings.output_dir or '', RESULTS_FILE)}")
 
 
 def run() -> None:
-    from absl import app
-
-    _define_flags()
-    app.run(main)
+    """Console-script entry point (`dpcore-audit`)."""
+    cli.run_program(prepare=prepare, execute=execute, define_flags=_define_flags, help_text=HELP)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import warnings
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 PRIVACY_UNITS = ("example", "user")
@@ -229,36 +227,56 @@ def format_result(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+HELP = """dpcore-epsilon: the ε of a DP-SGD run, or the noise multiplier for a target ε.
+
+Give the dataset size and batch size (in privacy units), the length of the run (--epochs or
+--steps) and either --noise_multiplier (prints ε) or --target_epsilon (prints the calibrated
+noise multiplier). --max_examples_per_user=k adds ε per user for users with at most k
+examples (group privacy). Needs no TensorFlow; answers in about a second.
+
+Examples:
+  dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --noise_multiplier=1.1
+  dpcore-epsilon --num_examples=60000 --batch_size=256 --epochs=60 --target_epsilon=3
+  dpcore-epsilon --privacy_unit=user --num_examples=5000 --batch_size=50 --steps=2000 \\
+      --noise_multiplier=1.0
+"""
+
+
+def prepare(argv: list[str]) -> None:
+    """Checks the flags that need no accounting, and that --output_json can be written."""
+    from dpcore_experiments import cli
+
+    cli.check_no_arguments(argv)
     if FLAGS.num_examples is None or FLAGS.batch_size is None:
-        raise app.UsageError("--num_examples and --batch_size are required.")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # δ >= 1/N is reported below
-            result = compute(
-                num_examples=FLAGS.num_examples,
-                batch_size=FLAGS.batch_size,
-                epochs=FLAGS.epochs,
-                steps=FLAGS.steps,
-                noise_multiplier=FLAGS.noise_multiplier,
-                target_epsilon=FLAGS.target_epsilon,
-                delta=FLAGS.delta,
-                sampling=FLAGS.sampling,
-                accountant=FLAGS.accountant,
-                neighboring=FLAGS.neighboring,
-                poisson_assumption=FLAGS.poisson_assumption,
-                privacy_unit=FLAGS.privacy_unit,
-                max_examples_per_user=FLAGS.max_examples_per_user,
-            )
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise cli.UserError("--num_examples and --batch_size are required (see --help).")
+    if FLAGS.output_json:
+        cli.check_writable_file(FLAGS.output_json, "output_json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints (and optionally writes) the result; bad values raise `cli.UserError`."""
+    from dpcore_experiments import cli
+
+    del argv
+    with cli.user_errors(ValueError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # δ >= 1/N is reported below
+        result = compute(
+            num_examples=FLAGS.num_examples,
+            batch_size=FLAGS.batch_size,
+            epochs=FLAGS.epochs,
+            steps=FLAGS.steps,
+            noise_multiplier=FLAGS.noise_multiplier,
+            target_epsilon=FLAGS.target_epsilon,
+            delta=FLAGS.delta,
+            sampling=FLAGS.sampling,
+            accountant=FLAGS.accountant,
+            neighboring=FLAGS.neighboring,
+            poisson_assumption=FLAGS.poisson_assumption,
+            privacy_unit=FLAGS.privacy_unit,
+            max_examples_per_user=FLAGS.max_examples_per_user,
+        )
     print(format_result(result))
     if FLAGS.output_json:
-        directory = os.path.dirname(os.path.abspath(FLAGS.output_json))
-        os.makedirs(directory, exist_ok=True)
         with open(FLAGS.output_json, "w", encoding="utf-8") as f:
             json.dump(
                 {
@@ -275,9 +293,15 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
     """Console-script entry point (`dpcore-epsilon`)."""
-    if "num_examples" not in FLAGS:
-        _define_flags()
-    app.run(main)
+    from dpcore_experiments import cli
+
+    cli.run_program(
+        prepare=prepare,
+        execute=main,
+        define_flags=_define_flags,
+        help_text=HELP,
+        tensorflow=False,
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ Contract:
     that ran, ε by PLD and RDP, the training loss and the held-out loss, and the versions.
 
 Example:
-  python -m dpcore_experiments.finetune --text_file=LICENSE --model=gpt2 --epochs=2 \\
+  dpcore-finetune --text_file=LICENSE --model=gpt2 --epochs=2 \\
       --target_epsilon=8 --output_dir=runs/finetune_license
 """
 
@@ -43,12 +43,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from dpcore_experiments import common, hub_models
-
-if __name__ == "__main__":  # no TensorFlow start-up lines that look like failures
-    from dpcore_experiments.tf_startup import import_tensorflow_quietly
-
-    import_tensorflow_quietly()
+from dpcore_experiments import cli, common, hub_models
 
 RESULTS_FILE = "results.json"
 BYTE_VOCABULARY = 257  # 256 byte values + padding (id 0)
@@ -82,28 +77,31 @@ class FinetuneSettings:
     verbose: int = 1
 
     def __post_init__(self) -> None:
+        # Messages name the command-line flag (--delta is the field target_delta).
         checks = [
             (
                 self.model in hub_models.ARCHITECTURES,
-                f"model must be in {hub_models.ARCHITECTURES}",
+                f"--model must be in {hub_models.ARCHITECTURES}",
             ),
-            (self.lora_rank >= 0, "lora_rank must be >= 0 (0: full fine-tuning)"),
-            (self.sequence_length >= 2, "sequence_length must be >= 2"),
-            (self.epochs > 0, "epochs must be > 0"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (self.l2_norm_clip > 0, "l2_norm_clip must be > 0"),
-            (0 < self.target_delta < 1, "target_delta must be in (0, 1)"),
-            (0 <= self.eval_fraction < 1, "eval_fraction must be in [0, 1)"),
-            (self.num_classes >= 2, "num_classes must be >= 2"),
+            (self.lora_rank >= 0, "--lora_rank must be >= 0 (0: full fine-tuning)"),
+            (self.sequence_length >= 2, "--sequence_length must be >= 2"),
+            (self.epochs > 0, "--epochs must be > 0"),
+            (self.batch_size >= 1, "--batch_size must be >= 1"),
+            (self.learning_rate > 0, "--learning_rate must be > 0"),
+            (self.l2_norm_clip > 0, "--l2_norm_clip must be > 0"),
+            (0 < self.target_delta < 1, "--delta must be in (0, 1)"),
+            (0 <= self.eval_fraction < 1, "--eval_fraction must be in [0, 1)"),
+            (self.num_classes >= 2, "--num_classes must be >= 2"),
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"{message}; got {dataclasses.asdict(self)}.")
+                field = message.split()[0][2:]
+                value = getattr(self, "target_delta" if field == "delta" else field)
+                raise ValueError(f"{message}, got {value!r}.")
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("Give exactly one of --noise_multiplier and --target_epsilon.")
         if self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+            raise ValueError(f"--target_epsilon must be > 0, got {self.target_epsilon}.")
 
     @property
     def size(self) -> hub_models.HubSize:
@@ -250,14 +248,15 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
     from dpcore.callbacks import EpsilonCallback
     from dpcore.model import make_private
 
-    with open(settings.text_file, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    if settings.model == "gpt2":
-        x, y = lm_examples(byte_tokens(text), settings.sequence_length)
-        loss: Any = masked_token_loss
-    else:
-        x, y = classification_examples(text, settings.sequence_length, settings.num_classes)
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with cli.user_errors(OSError, ValueError, hint=f"(--text_file={settings.text_file})"):
+        with open(settings.text_file, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if settings.model == "gpt2":
+            x, y = lm_examples(byte_tokens(text), settings.sequence_length)
+            loss: Any = masked_token_loss
+        else:
+            x, y = classification_examples(text, settings.sequence_length, settings.num_classes)
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     (x_train, y_train), (x_eval, y_eval) = _split(x, y, settings.eval_fraction)
     num_examples = len(y_train)
     if num_examples < 1:
@@ -365,7 +364,9 @@ def _define_flags() -> None:
     flags.DEFINE_float("delta", d.target_delta, "δ of the (ε, δ) guarantee.")
     flags.DEFINE_float("eval_fraction", d.eval_fraction, "Last fraction of examples held out.")
     flags.DEFINE_integer("seed", None, "Fixed seed (sampling, noise, init); default OS entropy.")
-    flags.DEFINE_string("output_dir", None, "Where results.json goes.")
+    flags.DEFINE_string(
+        "output_dir", None, "Where results.json goes (default runs/finetune-<time>/)."
+    )
     flags.DEFINE_integer("verbose", d.verbose, "0: quiet, 1: summary, 2: Keras progress.")
 
 
@@ -385,14 +386,41 @@ def settings_from_flags() -> FinetuneSettings:
     return FinetuneSettings(target_delta=f.delta, **values)
 
 
-def main(argv: list[str]) -> None:
-    from absl import flags, logging
+HELP = """dpcore-finetune: DP fine-tuning of a KerasHub GPT-2 or BERT on a local text file.
 
-    if len(argv) > 1:
-        raise ValueError(f"Unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    settings = settings_from_flags()
+Nothing is downloaded. --preset=<folder> loads a backbone and its weights from a local
+KerasHub preset folder; without it --model=gpt2|bert builds a small model from scratch (random
+weights: a smoke run). Text is tokenized byte by byte. gpt2: the file is cut into windows of
+--sequence_length bytes, one example each. bert: one example per line "<label><TAB><text>".
+ε protects one example (a window or a line). Prints the losses and the ε spent, and writes
+results.json to --output_dir (default runs/finetune-<date>-<time>/).
+
+Examples:
+  dpcore-finetune --text_file=LICENSE --model=gpt2 --epochs=2 --target_epsilon=8
+  dpcore-finetune --text_file=labelled.tsv --model=bert --preset=/path/to/bert_preset
+"""
+
+
+def prepare(argv: list[str]) -> FinetuneSettings:
+    """The run's settings from the flags, with the files and output folder checked."""
+    from absl import flags
+
+    cli.check_no_arguments(argv)
+    f = flags.FLAGS
+    with cli.user_errors(ValueError):
+        settings = settings_from_flags()
+    cli.check_readable_file(f.text_file, "text_file")
+    if f.preset is not None and not os.path.isfile(os.path.join(f.preset, "config.json")):
+        raise cli.UserError(
+            f"--preset={f.preset} is not a local KerasHub preset folder (no config.json); "
+            "nothing is downloaded: give a folder saved with save_to_preset, or leave --preset "
+            "out to build the model from scratch."
+        )
+    return dataclasses.replace(settings, output_dir=cli.output_dir(f.output_dir, "finetune"))
+
+
+def execute(settings: FinetuneSettings) -> None:
+    """Fine-tunes and prints the summary; the last line names results.json."""
     results = run_finetune(settings)
     data, model, privacy = results["data"], results["model"], results["privacy"]
     print(
@@ -410,20 +438,17 @@ def main(argv: list[str]) -> None:
         + f" ({results['steps']} steps, {results['train_time_s']:.1f}s)"
     )
     print(
-        f"epsilon: {privacy['epsilon']:.3f} (PLD; RDP {privacy['epsilon_rdp']:.3f}) at "
+        f"epsilon spent: {privacy['epsilon']:.3f} (PLD; RDP {privacy['epsilon_rdp']:.3f}) at "
         f"delta={settings.target_delta:g}, noise_multiplier="
         f"{results['config']['noise_multiplier']:.4f}, Poisson sampling; per example = "
         f"{privacy['privacy_unit_meaning']}"
     )
-    if settings.output_dir:
-        print(f"results: {os.path.join(settings.output_dir, RESULTS_FILE)}")
+    print(f"results: {os.path.join(settings.output_dir or '', RESULTS_FILE)}")
 
 
 def run() -> None:
-    from absl import app
-
-    _define_flags()
-    app.run(main)
+    """Console-script entry point (`dpcore-finetune`)."""
+    cli.run_program(prepare=prepare, execute=execute, define_flags=_define_flags, help_text=HELP)
 
 
 if __name__ == "__main__":

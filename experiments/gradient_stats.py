@@ -5,28 +5,32 @@ embedded scikit-learn digits, no download) and, at every step, before the update
 step's batch, records for each example its gradient norm, the cosine similarity of its gradient
 with the batch gradient, and the fraction of examples clipped at ``--l2_norm_clip``. It checks
 on every step that the mean of the per-example gradients equals the batch gradient (the gradient
-of the mean loss) within float32 tolerance, writes everything to ``--json``, a PNG plot to
-``--png`` when matplotlib is installed, and prints a short table. The run fails (after writing its
-outputs) if the check fails on any step.
+of the mean loss) within float32 tolerance, writes everything to
+``<output_dir>/gradient_stats.json``, a PNG plot to ``<output_dir>/gradient_stats.png`` when
+matplotlib is installed, and prints a short table. The run fails (after writing its outputs)
+if the check fails on any step.
 
 These statistics are computed from unclipped, un-noised per-example gradients: they are a
 debugging aid for choosing ``l2_norm_clip`` and are not differentially private.
 
 Usage:
-  python experiments/gradient_stats.py --steps=5 --batch_size=64 --l2_norm_clip=1.0 \
-      --json=/tmp/grad_stats.json --png=/tmp/grad_stats.png
+  dpcore-gradient-stats --steps=5 --batch_size=64 --l2_norm_clip=1.0 --output_dir=/tmp/stats
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from absl import app, flags
-from dpcore_experiments import common, zoo
+from absl import flags
+from dpcore_experiments import cli, common, zoo
 
 FLAGS = flags.FLAGS
+RESULTS_FILE = "gradient_stats.json"
+PLOT_FILE = "gradient_stats.png"
 
 
 def _define_flags() -> None:
@@ -46,8 +50,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Seed of initialization, batch order and noise.")
     flags.DEFINE_float("rtol", 1e-5, "Relative tolerance of the mean == batch gradient check.")
     flags.DEFINE_float("atol", 1e-7, "Absolute tolerance of the mean == batch gradient check.")
-    flags.DEFINE_string("json", "gradient_stats.json", "Output JSON path.")
-    flags.DEFINE_string("png", "gradient_stats.png", "Output PNG path ('' to skip the plot).")
+    flags.DEFINE_string(
+        "output_dir",
+        None,
+        f"Where {RESULTS_FILE} and {PLOT_FILE} go (default runs/gradient_stats-<time>/).",
+    )
+    flags.DEFINE_bool("plot", True, f"Also draw {PLOT_FILE} (needs matplotlib).")
 
 
 def build_mlp(input_shape: Sequence[int], classes: int, *, hidden: int, seed: int) -> Any:
@@ -308,14 +316,49 @@ def plot(result: dict, path: str) -> bool:
     return True
 
 
-def main(argv: Sequence[str]) -> None:
-    del argv
+HELP = """dpcore-gradient-stats: per-example gradient norms, to choose the clip bound C.
+
+Trains a small MLP for --steps DP-SGD steps (default: the 8x8 digits that ship with
+scikit-learn) and, at every step, records each example's gradient norm, its cosine with the
+batch gradient and the fraction of examples clipped at --l2_norm_clip; prints a table and
+writes gradient_stats.json and gradient_stats.png to --output_dir (default
+runs/gradient_stats-<date>-<time>/). The statistics come from unclipped, un-noised gradients:
+a debugging aid, not differentially private.
+
+Example:
+  dpcore-gradient-stats --steps=5 --batch_size=64 --l2_norm_clip=1.0
+"""
+
+
+def prepare(argv: list[str]) -> str:
+    """Checks the flags and the data; returns the output folder."""
+    cli.check_no_arguments(argv)
+    for name, ok in (
+        ("steps", FLAGS.steps >= 1),
+        ("batch_size", FLAGS.batch_size >= 1),
+        ("hidden", FLAGS.hidden >= 1),
+        ("l2_norm_clip", FLAGS.l2_norm_clip > 0),
+        ("noise_multiplier", FLAGS.noise_multiplier >= 0),
+        ("learning_rate", FLAGS.learning_rate > 0),
+        ("rtol", FLAGS.rtol >= 0),
+        ("atol", FLAGS.atol >= 0),
+    ):
+        if not ok:
+            raise cli.UserError(f"--{name}={FLAGS[name].value} is out of range (see --help).")
+    cli.check_dataset(FLAGS.dataset, FLAGS.data_dir)
+    return cli.output_dir(FLAGS.output_dir, "gradient_stats")
+
+
+def execute(output_dir: str) -> int:
+    """Trains, prints the table and writes the outputs; 1 when the check failed."""
     from dpcore import data
 
-    if FLAGS.dataset == "digits":
-        (x_train, y_train), _ = data.load_digits()
-    else:
+    with cli.user_errors(FileNotFoundError, ValueError):  # the user's data files
         (x_train, y_train), _ = data.load_dataset(FLAGS.dataset, data_dir=FLAGS.data_dir)
+    if FLAGS.batch_size > len(x_train):
+        raise cli.UserError(
+            f"--batch_size={FLAGS.batch_size} exceeds the {len(x_train)} training examples."
+        )
     result = run(
         x_train,
         y_train,
@@ -332,17 +375,24 @@ def main(argv: Sequence[str]) -> None:
     result["dataset"] = FLAGS.dataset
     print(f"dataset: {FLAGS.dataset} ({len(x_train)} training examples)")
     print(format_table(result))
-    if FLAGS.json:
-        common.write_json_atomic(FLAGS.json, result, indent=1)
-        print(f"wrote {FLAGS.json}")
-    if FLAGS.png and plot(result, FLAGS.png):
-        print(f"wrote {FLAGS.png}")
+    if FLAGS.plot and plot(result, os.path.join(output_dir, PLOT_FILE)):
+        print(f"plot: {os.path.join(output_dir, PLOT_FILE)}")
     if not result["check_passed"]:
-        raise SystemExit(
-            "mean of per-example gradients != batch gradient on some step (see the table)."
+        print(
+            "FAILED: the mean of the per-example gradients != the batch gradient on some step "
+            "(see the table).",
+            file=sys.stderr,
         )
+    results_path = os.path.join(output_dir, RESULTS_FILE)
+    common.write_json_atomic(results_path, result, indent=1)
+    print(f"results: {results_path}")
+    return 0 if result["check_passed"] else 1
+
+
+def run_program() -> None:
+    """Console-script entry point (`dpcore-gradient-stats`)."""
+    cli.run_program(prepare=prepare, execute=execute, define_flags=_define_flags, help_text=HELP)
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    run_program()

@@ -16,8 +16,7 @@ Contract:
     (`ExecutionOptions(group_size=...)`), and `--batch_size`, N and ε count users: ε is per
     user (`results.json` says so under `privacy.privacy_unit` and `users`).
   * With `TF_CONFIG` set the process is one worker of a `MultiWorkerMirroredStrategy` cluster
-    (e.g. `python -m dpcore_experiments.launch_local --workers=2 -- python -m
-    dpcore_experiments.train ...`): every worker Poisson-samples its shard of the one global
+    (e.g. `dpcore-launch-local --workers=2 -- dpcore-train --output_dir=... ...`): every worker Poisson-samples its shard of the one global
     sample (`sharded_poisson_batches`, seed from `--seed` or OS entropy broadcast from the chief),
     the clipped sums are all-reduced and noised once per step, and only the chief keeps
     results.json and the checkpoint. DP, Poisson, example-level runs only; no `--resume`.
@@ -29,7 +28,7 @@ Contract:
 
 Example (the Fashion-MNIST reproduction of Tramèr & Boneh's end-to-end CNN at ε = 3):
 
-  python -m dpcore_experiments.train --dataset=fashion_mnist --model=cnn --epochs=40 \
+  dpcore-train --dataset=fashion_mnist --model=cnn --epochs=40 \
       --batch_size=2048 --learning_rate=4 --momentum=0.9 --l2_norm_clip=0.1 \
       --target_epsilon=3 --output_dir=runs/fmnist_cnn_eps3
 """
@@ -48,12 +47,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from dpcore_experiments import common, zoo
-
-if __name__ == "__main__":  # the main job: no TensorFlow start-up lines that look like failures
-    from dpcore_experiments.tf_startup import import_tensorflow_quietly
-
-    import_tensorflow_quietly()
+from dpcore_experiments import cli, common, zoo
 
 DATASETS = ("digits", "fashion_mnist", "mnist")
 MODELS = ("mlp", "cnn", "scatter_linear")
@@ -96,30 +90,33 @@ class TrainSettings:
     verbose: int = 1
 
     def __post_init__(self) -> None:
+        # Messages name the command-line flag (--delta is the field target_delta).
         checks = [
-            (self.dataset in DATASETS, f"dataset must be one of {DATASETS}"),
-            (self.model in MODELS, f"model must be one of {MODELS}"),
-            (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
-            (self.sampling in SAMPLING, f"sampling must be one of {SAMPLING}"),
-            (self.privacy_unit in PRIVACY_UNITS, f"privacy_unit must be one of {PRIVACY_UNITS}"),
-            (self.max_rows_per_user >= 1, "max_rows_per_user must be >= 1"),
-            (self.num_users is None or self.num_users >= 1, "num_users must be >= 1"),
-            (self.epochs >= 1, "epochs must be >= 1"),
-            (self.validation_examples >= 0, "validation_examples must be >= 0"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (self.l2_norm_clip > 0, "l2_norm_clip must be > 0"),
-            (0 < self.target_delta < 1, "target_delta must be in (0, 1)"),
+            (self.dataset in DATASETS, f"--dataset must be one of {DATASETS}"),
+            (self.model in MODELS, f"--model must be one of {MODELS}"),
+            (self.optimizer in OPTIMIZERS, f"--optimizer must be one of {OPTIMIZERS}"),
+            (self.sampling in SAMPLING, f"--sampling must be one of {SAMPLING}"),
+            (self.privacy_unit in PRIVACY_UNITS, f"--privacy_unit must be one of {PRIVACY_UNITS}"),
+            (self.max_rows_per_user >= 1, "--max_rows_per_user must be >= 1"),
+            (self.num_users is None or self.num_users >= 1, "--num_users must be >= 1"),
+            (self.epochs >= 1, "--epochs must be >= 1"),
+            (self.validation_examples >= 0, "--validation_examples must be >= 0"),
+            (self.batch_size >= 1, "--batch_size must be >= 1"),
+            (self.learning_rate > 0, "--learning_rate must be > 0"),
+            (self.l2_norm_clip > 0, "--l2_norm_clip must be > 0"),
+            (0 < self.target_delta < 1, "--delta must be in (0, 1)"),
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"{message}; got {dataclasses.asdict(self)}.")
+                field = message.split()[0][2:]
+                value = getattr(self, "target_delta" if field == "delta" else field)
+                raise ValueError(f"{message}, got {value!r}.")
         if self.dp and self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("A DP run needs --noise_multiplier or --target_epsilon.")
         if self.noise_multiplier is not None and self.target_epsilon is not None:
             raise ValueError("Give --noise_multiplier or --target_epsilon, not both.")
         if self.dp and self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+            raise ValueError(f"--target_epsilon must be > 0, got {self.target_epsilon}.")
         if self.resume and not self.output_dir:
             raise ValueError("--resume needs --output_dir (where the checkpoint is).")
         if self.privacy_unit == "user" and self.sampling != "poisson":
@@ -551,7 +548,8 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     from dpcore import distribute
     from dpcore import sampling as _sampling  # noqa: F401  (fail early if dpcore is broken)
 
-    (x_train, y_train), (x_test, y_test) = load_data(settings)
+    with cli.user_errors(FileNotFoundError, ValueError):  # the user's data files
+        (x_train, y_train), (x_test, y_test) = load_data(settings)
     users = None
     num_examples = int(x_train.shape[0])  # privacy units: rows, or users
     if settings.privacy_unit == "user":
@@ -791,14 +789,49 @@ def settings_from_flags() -> TrainSettings:
     )
 
 
-def main(argv: list[str]) -> None:
-    from absl import flags, logging
+HELP = """dpcore-train: trains a small image classifier with DP-SGD and reports ε.
 
-    if len(argv) > 1:
-        raise ValueError(f"Unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    settings = settings_from_flags()
+Without flags: a short DP run on the 8x8 digits that ship with scikit-learn (no download),
+an MLP, Poisson sampling, σ calibrated for ε = 3 at δ = 1e-5. It prints the test accuracy and
+the ε spent, and writes results.json (settings, ε, per-epoch metrics) and a checkpoint to
+--output_dir (default runs/train-<date>-<time>/).
+
+Examples:
+  dpcore-train
+  dpcore-train --dataset=fashion_mnist --model=cnn --epochs=40 --batch_size=2048 \\
+      --learning_rate=4 --l2_norm_clip=0.1 --target_epsilon=3 --output_dir=runs/fmnist
+  dpcore-train --output_dir=runs/fmnist --resume       # continue a stopped run
+  dpcore-train --privacy_unit=user                      # ε per (synthetic) user
+  dpcore-train --nodp                                   # non-private baseline
+"""
+
+
+def prepare(argv: list[str]) -> TrainSettings:
+    """The run's settings from the flags, with the data and output folder checked."""
+    from absl import flags
+
+    cli.check_no_arguments(argv)
+    f = flags.FLAGS
+    with cli.user_errors(ValueError):
+        settings = settings_from_flags()
+    cli.check_dataset(f.dataset, f.data_dir)
+    if f.resume:
+        if not f.output_dir:
+            raise cli.UserError("--resume needs --output_dir (the folder of the run to continue).")
+        if not os.path.isfile(os.path.join(f.output_dir, RESULTS_FILE)):
+            raise cli.UserError(
+                f"--resume: {os.path.join(f.output_dir, RESULTS_FILE)} does not exist; give "
+                "--output_dir of a run that finished at least one epoch."
+            )
+    if os.environ.get("TF_CONFIG") and not f.output_dir:
+        raise cli.UserError(
+            "as a cluster worker (TF_CONFIG is set) give --output_dir, the same for every worker."
+        )
+    return dataclasses.replace(settings, output_dir=cli.output_dir(f.output_dir, "train"))
+
+
+def execute(settings: TrainSettings) -> None:
+    """Trains and prints the summary; the last line names results.json."""
     results = run_training(settings)
     privacy = results["privacy"]
     print(f"dataset: {settings.dataset} ({results['dataset']['num_train']} train examples)")
@@ -811,22 +844,19 @@ def main(argv: list[str]) -> None:
     print(f"test accuracy: {results['test_accuracy']:.4f}")
     if settings.dp:
         print(
-            f"epsilon{' per user' if settings.privacy_unit == 'user' else ''}: "
+            f"epsilon spent{' per user' if settings.privacy_unit == 'user' else ''}: "
             f"{privacy['epsilon']:.3f} (PLD; RDP {privacy['epsilon_rdp']:.3f}) "
             f"at delta={settings.target_delta:g}, noise_multiplier="
             f"{results['plan']['noise_multiplier']:.4f}, sampling={settings.sampling}"
         )
     else:
         print("epsilon: inf (non-private baseline)")
-    if settings.output_dir:
-        print(f"results: {os.path.join(settings.output_dir, RESULTS_FILE)}")
+    print(f"results: {os.path.join(settings.output_dir or '', RESULTS_FILE)}")
 
 
 def run() -> None:
-    from absl import app
-
-    _define_flags()
-    app.run(main)
+    """Console-script entry point (`dpcore-train`)."""
+    cli.run_program(prepare=prepare, execute=execute, define_flags=_define_flags, help_text=HELP)
 
 
 if __name__ == "__main__":

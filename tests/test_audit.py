@@ -197,7 +197,7 @@ def _settings(tmp_path, **overrides):
         dp=False,
         seed=0,
         verbose=0,
-        out_dir=str(tmp_path),
+        output_dir=str(tmp_path),
     )
     base.update(overrides)
     return audit_exp.AuditSettings(**base)

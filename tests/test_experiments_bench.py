@@ -305,14 +305,13 @@ def test_gradient_stats_check_can_fail():
 
 @pytest.mark.slow
 def test_gradient_stats_binary_writes_json_and_png(tmp_path):
-    out, png = tmp_path / "stats.json", tmp_path / "stats.png"
+    out, png = tmp_path / "gradient_stats.json", tmp_path / "gradient_stats.png"
     cmd = [
         sys.executable,
         os.path.join(ROOT, "experiments", "gradient_stats.py"),
         "--steps=2",
         "--batch_size=16",
-        f"--json={out}",
-        f"--png={png}",
+        f"--output_dir={tmp_path}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -321,6 +320,7 @@ def test_gradient_stats_binary_writes_json_and_png(tmp_path):
     assert len(result["steps"]) == 2 and len(result["steps"][0]["norms"]) == 16
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step" in proc.stdout and "yes" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"results: {out}"
 
 
 def _digits_subset():

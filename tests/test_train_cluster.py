@@ -41,7 +41,7 @@ def test_train_on_two_local_workers_matches_one_process(tmp_path):
         timeout=500,
     )
     assert out.returncode == 0, out.stderr[-4000:] + out.stdout[-2000:]
-    assert "epsilon:" in out.stdout  # the chief's lines, streamed
+    assert "epsilon spent:" in out.stdout  # the chief's lines, streamed
     results = json.loads((out_dir / "results.json").read_text())
     assert results["completed"] and results["plan"]["total_steps"] == 6
     assert sorted(p.name for p in out_dir.iterdir()) == ["checkpoint", "results.json"]
