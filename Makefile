@@ -5,7 +5,21 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: train test lint data
+# The oldest TensorFlow / Keras that pyproject.toml admits, for `make test-oldest` (.ci/run).
+OLDEST_VENV := .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
+OLDEST_TF := tensorflow==2.16.2
+OLDEST_KERAS := keras==3.6.0
+# keras-hub 0.32 (the oldest dpcore's KerasHub rules support) needs Keras >= 3.15. Its
+# tensorflow-text requirement (>= 2.20.1, tokenizers only) is left out so that the BERT smoke
+# runs on TensorFlow 2.16; dpcore never tokenizes.
+OLDEST_HUB := keras==3.15.1 keras-hub==0.32.0
+OLDEST_HUB_DEPS := regex rich packaging sentencepiece tokenizers "kagglehub!=1.0.1" "kagglesdk==0.1.28"
+OLDEST_CORE_TESTS := tests/test_readme.py tests/test_keras_fit.py tests/test_epsilon_cli.py
+OLDEST_HUB_TESTS := tests/test_keras_hub.py::test_bert_classifier_matches_reference \
+	tests/test_keras_hub.py::test_bert_with_lora_stays_on_the_fast_path
+
+.PHONY: train test lint data test-oldest
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +52,20 @@ lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check dpcore dpcore_accounting experiments tests
 	$(VENV)/bin/python -m ruff format --check dpcore dpcore_accounting experiments tests
 	$(VENV)/bin/python -m mypy
+
+# A smoke subset of the suite (the README example, make_private fit on the MLP/CNN/BERT, the
+# epsilon CLI) on the oldest supported TensorFlow and Keras, in its own cached venv.
+$(OLDEST_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q -e . '$(OLDEST_TF)' '$(OLDEST_KERAS)' \
+		pytest hypothesis scikit-learn matplotlib
+	$(OLDEST_VENV)/bin/python -m pip install -q $(OLDEST_HUB_DEPS)
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP) data
+	$(OLDEST_VENV)/bin/python -m pip install -q '$(OLDEST_KERAS)'
+	$(OLDEST_VENV)/bin/python -c "import tensorflow as tf, keras; print('oldest:', tf.__version__, keras.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_CORE_TESTS)
+	$(OLDEST_VENV)/bin/python -m pip install -q --no-deps $(OLDEST_HUB)
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_HUB_TESTS)

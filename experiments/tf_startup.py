@@ -7,7 +7,8 @@ Contract:
     logs after start-up are dropped, errors still print), then imports TensorFlow and lists
     its devices with stderr captured, and writes back every captured line except the known
     start-up noise: C++ INFO/WARNING lines (oneDNN notice, "Could not find cuda drivers", CPU
-    feature notes), absl's "All log messages before absl::InitializeLog()" banner and the
+    feature notes; with or without the date prefix of older TensorFlow), older TensorFlow's
+    "Unable to register cuDNN/cuFFT/cuBLAS factory" errors, absl's "All log messages before absl::InitializeLog()" banner and the
     `failed call to cuInit` error of a machine without a GPU driver. These lines are printed
     while TensorFlow's shared libraries load, before `TF_CPP_MIN_LOG_LEVEL` is read, so the
     variable alone cannot silence them.
@@ -28,6 +29,13 @@ __all__ = ["import_tensorflow_quietly", "is_startup_noise"]
 # absl/TensorFlow C++ log prefix: severity, MMDD, time, thread id, file:line].
 _CXX_INFO_OR_WARNING = re.compile(r"^[IW]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
 _CXX_CUINIT_ERROR = re.compile(r"^E\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] failed call to cuInit")
+# Older TensorFlow (2.16) logs, as errors, that its CUDA plugins register twice.
+_CXX_FACTORY_ERROR = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: )?E\S* .*Unable to register cu(DNN|FFT|BLAS) "
+    r"factory: Attempting to register factory for plugin cu\w+ when one has already been"
+)
+# Older TensorFlow writes its C++ logs with a date prefix: "2026-01-01 00:00:00.000: I ...".
+_DATED_INFO_OR_WARNING = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] \S+:\d+\] ")
 _NOISE_PREFIXES = (
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
     "To enable the following instructions:",  # second line of the CPU-feature INFO line
@@ -39,6 +47,8 @@ def is_startup_noise(line: str) -> bool:
     return (
         bool(_CXX_INFO_OR_WARNING.match(line))
         or bool(_CXX_CUINIT_ERROR.match(line))
+        or bool(_CXX_FACTORY_ERROR.match(line))
+        or bool(_DATED_INFO_OR_WARNING.match(line))
         or line.startswith(_NOISE_PREFIXES)
     )
 

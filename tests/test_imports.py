@@ -105,8 +105,17 @@ def test_startup_noise_filter_drops_only_known_lines():
         "your machine, GPU will not be used.",
         "E0000 00:00:1796087171.388773   26486 cuda_platform.cc:52] failed call to cuInit: "
         "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+        # TensorFlow 2.16's form (the oldest supported)
+        "2026-12-06 01:56:53.635249: E external/local_xla/xla/stream_executor/cuda/"
+        "cuda_blas.cc:1442] Unable to register cuBLAS factory: Attempting to register factory "
+        "for plugin cuBLAS when one has already been registered",
+        "2026-12-06 01:56:53.693858: I tensorflow/core/platform/cpu_feature_guard.cc:210] This "
+        "TensorFlow binary is optimized to use available CPU instructions",
+        "2026-12-06 01:56:59.439968: W tensorflow/compiler/tf2tensorrt/utils/py_utils.cc:38] "
+        "TF-TRT Warning: Could not find TensorRT",
     ]
     kept = [
+        "2026-12-06 01:56:59.439968: E tensorflow/core/kernels/op.cc:38] OP_REQUIRES failed",
         "E0000 00:00:1796087171.388773   26486 op_kernel.cc:1857] OP_REQUIRES failed",
         "F1201 01:06:15.743156   26486 check.cc:12] Check failed: x",
         "Traceback (most recent call last):",
