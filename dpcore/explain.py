@@ -8,6 +8,9 @@ row per layer: its name, class, path (``"ghost"``, ``"materialized"``, ``"fallba
 A layer that a composition calls from inside (e.g. the tied ``token_embedding`` whose reverse
 projection a KerasHub ``MaskedLMHead`` calls) and that the graph also calls is one layer with
 several uses in the engine: its row plans all of them and names the compositions that call it.
+A whole-model fallback that only a traced step can find (the rows probe of
+:mod:`dpcore.engine.independence` could not verify the model, a layer's batch axis is not its
+first) is reported once such a step has been traced, with the reason its warning gave.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from dpcore.engine import graph
 from dpcore.engine.ghost import fallback_reason
+from dpcore.engine.independence import whole_model_fallback
 from dpcore.options import ExecutionOptions, resolve
 from dpcore.rules import Registry, lookup
 
@@ -155,7 +159,9 @@ def explain(
         ``options=ExecutionOptions(registry=...)``; default :func:`dpcore.rules.default_registry`.
 
     Returns:
-      An :class:`Explanation`; ``print(explain(model))`` shows a table.
+      An :class:`Explanation`; ``print(explain(model))`` shows a table. Its
+      ``whole_model_fallback`` also holds the reason a traced step of ``model`` took the
+      vectorized path as a whole (the one its warning named), once such a step was traced.
 
     Raises:
       ValueError: when ``registry`` is given together with ``options.rules`` or
@@ -168,7 +174,11 @@ def explain(
         )
     registry = registry if registry is not None else options.layer_rules()
     name = getattr(model, "name", type(model).__name__)
-    whole = _vectorized_by_options(options) or fallback_reason(model, registry=registry)
+    whole = (
+        _vectorized_by_options(options)
+        or fallback_reason(model, registry=registry)
+        or whole_model_fallback(model)
+    )
     if whole is not None:
         members = list(getattr(model, "layers", []))
         rows = tuple(

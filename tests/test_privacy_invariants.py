@@ -1308,6 +1308,97 @@ def test_a_layer_fed_a_transposed_batch_takes_the_vectorized_path():
         assert moved <= C * (1 + 1e-6), (build.__name__, moved)
 
 
+class _BackwardMean(keras.layers.Layer):
+    """Forward value exactly ``x``; the gradient couples rows through the batch mean."""
+
+    def call(self, x):
+        m = keras.ops.mean(x, axis=0, keepdims=True)
+        return x + (m - keras.ops.stop_gradient(m))
+
+
+@tf.custom_gradient
+def _sum_rows_backward(x):
+    def grad(g):
+        return g + tf.reduce_sum(g, axis=0, keepdims=True)
+
+    return tf.identity(x), grad
+
+
+class _BackwardSum(keras.layers.Layer):
+    """Identity forward; a ``tf.custom_gradient`` adds every row's gradient to each row."""
+
+    def call(self, x):
+        return _sum_rows_backward(x)
+
+
+class _MixesAtEvenBatch(keras.layers.Layer):
+    """Centres over the batch when the (static) batch size is even, else the identity."""
+
+    def call(self, x):
+        if x.shape[0] is not None and x.shape[0] % 2 == 0:
+            return x - keras.ops.mean(x, axis=0, keepdims=True)
+        return x
+
+
+class _MixesAboveTwelveRows(keras.layers.Layer):
+    """Centres over the batch when it has more than 12 rows (a branch on the dynamic size)."""
+
+    def call(self, x):
+        return tf.cond(
+            tf.shape(x)[0] > 12,
+            lambda: x - tf.reduce_mean(x, axis=0, keepdims=True),
+            lambda: tf.identity(x),
+        )
+
+
+def _around(mixer: keras.layers.Layer) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(16, name="d1")(inp)
+    return keras.Model(inp, keras.layers.Dense(1, name="d2")(mixer(h)))
+
+
+def _crafted_16() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = (rng.normal(size=(16, 1)) * 0.01).astype("float32")
+    x[0] *= 1e3
+    y[0] = 1e6
+    return x, y
+
+
+@pytest.mark.parametrize("mixer", [_BackwardMean, _BackwardSum], ids=["stop_gradient", "custom"])
+def test_a_layer_that_mixes_rows_only_in_the_backward_pass_is_refused(mixer):
+    """The probe compared forward values only: a layer whose value is exactly ``x`` but whose
+    gradient couples rows passed, and the fast path's per-example norms and clipped sums, taken
+    from one batched backward pass, carried other rows' gradients (one record moved the clipped
+    sum by 7.97 C at B = 16). Each path now refuses it or bounds the record by C."""
+    x, y = _crafted_16()
+    refused = 0
+    for method in ("fast", "vectorized"):
+        options = dpcore.ExecutionOptions(method=method)
+        try:
+            moved = _moved_by_record_0(_around(mixer(name="mixer")), x, y, options=options)
+        except ValueError as e:
+            assert "backward pass mixes examples downstream of layer 'd1'" in str(e), str(e)
+            refused += 1
+            continue
+        assert moved <= C * (1 + 1e-6), (method, moved)
+    assert refused == 2
+
+
+@pytest.mark.parametrize(
+    "mixer", [_MixesAtEvenBatch, _MixesAboveTwelveRows], ids=["even batch", "above 12 rows"]
+)
+def test_a_layer_that_mixes_rows_only_at_the_batch_size_that_runs_is_refused(mixer):
+    """The probe ran on a few rows of an odd count only: a layer that mixes rows at an even
+    batch size, or above 12 rows, passed (18.8 C and 21.0 C at B = 16). The probe now also runs
+    at the batch's static row count."""
+    x, y = _crafted_16()
+    with pytest.raises(ValueError, match="mixes examples downstream of layer 'd1'.*16 rows"):
+        _moved_by_record_0(_around(mixer(name="mixer")), x, y)
+
+
 @pytest.mark.parametrize("path", ["chunked", "skip"])
 def test_a_second_pass_that_redraws_dropout_is_bounded_by_its_own_norms(path):
     """The chunked vectorized path sums in a second pass, and nonfinite='skip' recomputes the

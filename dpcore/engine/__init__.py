@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore import validation
-from dpcore.engine.independence import check_rows_independent
+from dpcore.engine.independence import check_rows_independent, warn_whole_model_fallback
 from dpcore.engine.summary import (
     GradientSummary,
     batch_size_of,
@@ -129,18 +128,24 @@ def summarize(
     )
     validation.check_model(model, x, training=options.training, require_variables=False)
     unverified = check_rows_independent(
-        model, loss, loss_fn, x, y, training=options.training, variables=variables
+        model,
+        loss,
+        loss_fn,
+        x,
+        y,
+        training=options.training,
+        variables=variables,
+        registry=options.layer_rules(),
     )
     use_fast = options.method == "fast" or (
         options.method == "auto" and options.chunk_size is None and _fast_available(model)
     )
+    warn_whole_model_fallback(model, None)  # the fast path below may record its own reason
     if use_fast and unverified is not None:
-        warnings.warn(
-            f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
-            f"whole: whether each example's loss depends on that example alone could not be "
-            f"verified ({unverified}).",
-            RuntimeWarning,
-            stacklevel=2,
+        warn_whole_model_fallback(
+            model,
+            "whether each example's loss and gradients depend on that example alone could not "
+            f"be verified ({unverified})",
         )
         use_fast = False
     if use_fast:

@@ -28,7 +28,6 @@ Everything is plain TensorFlow, traceable once inside the caller's compiled step
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -395,14 +394,10 @@ def fast_summary(
     variables = check_variables(variables)
 
     def whole_model_fallback(reason: str) -> GradientSummary:
+        from dpcore.engine.independence import warn_whole_model_fallback
         from dpcore.engine.vectorized import vectorized_summary
 
-        warnings.warn(
-            f"dpcore: model {getattr(model, 'name', model)!r} takes the vectorized path as a "
-            f"whole: {reason}.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn_whole_model_fallback(model, reason, stacklevel=4)
         return vectorized_summary(
             model, loss_fn, x, y, sample_weight, mask, variables, options=options
         )
