@@ -13,9 +13,15 @@ the load drifts).
 A step is one call of the model's own train function (what ``fit`` calls per batch, with its
 ``tf.data`` iterator), timed until its logs are on the host.
 
+``make_private_fit_float_labels`` is ``make_private_fit`` fed the same labels as ``float32``
+(common with ``SparseCategoricalCrossentropy``); its rows also give the paired ratio to the
+integer labels' ``make_private_fit`` steps, which run beside it.
+
 Usage:
   python experiments/interleaved_fit.py --models=mlp,cnn --batch_sizes=256,1024 \\
       --methods=nonprivate,make_private_fit,make_private_fit_aug4,make_private_fit_user8
+  python experiments/interleaved_fit.py --models=mlp,cnn --batch_sizes=256,1024 \
+      --methods=make_private_fit,make_private_fit_float_labels --rounds=10
 
 Privacy:
   Benchmark only: synthetic data, no accounting. The DP methods clip and noise every step.
@@ -33,6 +39,10 @@ from dpcore_experiments import benchmark as bench
 
 FLAGS = flags.FLAGS
 
+# make_private_fit fed float32 labels; compared with make_private_fit (integer labels).
+FLOAT_LABELS = "make_private_fit_float_labels"
+METHODS = (*bench.FIT_METHODS, FLOAT_LABELS)
+
 
 def _define_flags() -> None:
     flags.DEFINE_list("models", ["mlp", "cnn"], "Benchmark models (benchmark.py's names).")
@@ -40,7 +50,7 @@ def _define_flags() -> None:
     flags.DEFINE_list(
         "methods",
         ["nonprivate", "make_private_fit"],
-        f"From {bench.FIT_METHODS}; nonprivate (Keras fit) is always included.",
+        f"From {METHODS}; nonprivate (Keras fit) is always included.",
     )
     flags.DEFINE_integer("rounds", 30, "Interleaved rounds (each runs every method's step once).")
     flags.DEFINE_integer("warmup", 3, "Untimed steps of each method first (the first traces).")
@@ -56,7 +66,8 @@ def measure(
       model_name: a benchmark model (``benchmark.MODELS`` or ``benchmark.HUB_MODELS``).
       batch_size: rows per step (``make_private_fit_aug4`` feeds a quarter of them as examples
         and makes 4 views of each, as in ``benchmark.py``).
-      methods: ``benchmark.FIT_METHODS`` entries; ``nonprivate`` is added first if missing.
+      methods: ``benchmark.FIT_METHODS`` entries or ``FLOAT_LABELS`` (which brings
+        ``make_private_fit`` along); ``nonprivate`` is added first if missing.
       rounds: interleaved rounds.
       warmup: untimed steps per method before the rounds.
     """
@@ -64,19 +75,23 @@ def measure(
     import tensorflow as tf
 
     methods = ["nonprivate", *[m for m in methods if m != "nonprivate"]]
+    if FLOAT_LABELS in methods and "make_private_fit" not in methods:
+        methods.insert(methods.index(FLOAT_LABELS), "make_private_fit")
     xb, yb = bench.make_batch(model_name, batch_size)
     x, y = tf.nest.map_structure(tf.constant, (xb, yb))
     steps = {}
     for method in methods:
         fit_model = bench.make_fit_model(
             bench.build_model(model_name, seed=0),
-            method,
+            "make_private_fit" if method == FLOAT_LABELS else method,
             batch_size=batch_size,
             l2_norm_clip=1.0,
             noise_multiplier=1.0,
             learning_rate=0.01,
         )
-        data = tf.data.Dataset.from_tensors(bench.fit_batch(method, x, y)).repeat()
+        labels = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), y)
+        batch = (x, labels) if method == FLOAT_LABELS else bench.fit_batch(method, x, y)
+        data = tf.data.Dataset.from_tensors(batch).repeat()
         fit_model.fit(data, steps_per_epoch=1, epochs=1, verbose=0)  # builds everything
         iterator = iter(data)
         train_function = fit_model.make_train_function()
@@ -94,7 +109,7 @@ def measure(
             times[method].append((time.perf_counter() - start) * 1e3)
     base = np.asarray(times["nonprivate"])
     base_median, base_min = float(np.median(base)), float(np.min(base))
-    return [
+    rows = [
         {
             "model": model_name,
             "batch_size": batch_size,
@@ -110,6 +125,12 @@ def measure(
         }
         for method, t in times.items()
     ]
+    for row in rows:
+        if row["method"] == FLOAT_LABELS:
+            ints = np.asarray(times["make_private_fit"])
+            paired = np.asarray(times[FLOAT_LABELS]) / ints
+            row["paired_ratio_to_int_labels"] = round(float(np.median(paired)), 3)
+    return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -120,8 +141,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        method = r["method"]
+        if "paired_ratio_to_int_labels" in r:
+            method += f" ({r['paired_ratio_to_int_labels']:.2f}x int labels, paired)"
         lines.append(
-            f"| {r['model']} | {r['batch_size']} | {r['method']} | {r['median_ms']:.1f} | "
+            f"| {r['model']} | {r['batch_size']} | {method} | {r['median_ms']:.1f} | "
             f"{r['min_ms']:.1f} | {r['ratio_to_nonprivate']:.2f}x / "
             f"{r['min_ratio_to_nonprivate']:.2f}x | {r['paired_ratio_to_nonprivate']:.2f}x |"
         )
@@ -130,9 +154,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
-    unknown = [m for m in FLAGS.methods if m not in bench.FIT_METHODS]
+    unknown = [m for m in FLAGS.methods if m not in METHODS]
     if unknown:
-        raise app.UsageError(f"--methods: {unknown} not in {bench.FIT_METHODS}.")
+        raise app.UsageError(f"--methods: {unknown} not in {METHODS}.")
     rows: list[dict[str, Any]] = []
     for model_name in FLAGS.models:
         for batch_size in (int(b) for b in FLAGS.batch_sizes):

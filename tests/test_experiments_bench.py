@@ -395,13 +395,15 @@ def test_interleaved_fit_times_every_method_against_keras_fit():
     from dpcore_experiments import interleaved_fit
 
     rows = interleaved_fit.measure(
-        "mlp", 8, ["make_private_fit", "make_private_fit_user8"], rounds=2, warmup=1
+        "mlp", 8, ["make_private_fit_float_labels", "make_private_fit_user8"], rounds=2, warmup=1
     )
     assert [r["method"] for r in rows] == [
         "nonprivate",
-        "make_private_fit",
+        "make_private_fit",  # the integer labels' steps the float labels' ones are paired with
+        "make_private_fit_float_labels",
         "make_private_fit_user8",
     ]
+    assert rows[2]["paired_ratio_to_int_labels"] > 0
     assert rows[0]["ratio_to_nonprivate"] == 1.0
     assert rows[0]["paired_ratio_to_nonprivate"] == 1.0  # each round's Keras step over itself
     for r in rows:

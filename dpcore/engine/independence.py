@@ -1,16 +1,23 @@
-"""Refusing models and losses that mix examples, by a probe on a few synthetic rows.
+"""Refusing models and losses that mix examples, by a probe on synthetic rows.
 
 Contract: per-example clipping bounds one example's influence on the update only when example
-``i``'s loss depends on example ``i`` alone. :mod:`dpcore.validation` refuses the layers known to
-break this (a trainable ``BatchNormalization``, batch-axis settings); this module catches the
-rest, whatever their form: a ``Lambda`` or Keras op that centres over the batch, a custom layer
-without weights that rolls or sorts rows, a loss with in-batch negatives.
+``i``'s loss, and every per-example quantity the engine reads, depend on example ``i`` alone.
+:mod:`dpcore.validation` refuses the layers known to break this (a trainable
+``BatchNormalization``, batch-axis settings); this module catches the rest, whatever their form:
+a ``Lambda`` or Keras op that centres over the batch, a custom layer without weights that rolls
+or sorts rows, a loss with in-batch negatives, a layer whose value is its input but whose
+gradient couples rows (``x + m - tf.stop_gradient(m)`` with ``m`` a batch mean, a
+``tf.custom_gradient`` over the batch).
 
-:func:`mixing_probe` runs the model eagerly, outside the caller's trace (``tf.init_scope``), on
-``R`` synthetic rows (``R`` >= 3, odd, unlike any static dimension of the batch or of the
-variables), in the caller's ``training`` mode, each call inside a fresh
+:func:`mixing_probe` runs the model eagerly on a thread of its own (outside the caller's trace,
+with gradient tapes of its own), in the caller's ``training`` mode, each call inside a fresh
 :class:`keras.StatelessScope` (no variable changes; seed generators start from the same state,
-so Dropout draws the same masks in every call):
+so Dropout draws the same masks in every call), at two batch sizes: ``R`` rows (``R`` >= 3,
+odd, unlike any static dimension of the batch or of the variables, so that a tensor's batch
+axis is known: the one of size ``R`` first) and the batch's own static row count (the padded
+batch that runs, so that a layer that mixes rows only at even sizes or above some size is
+run as it runs; only the sites found rows-first at ``R`` are changed and checked there, so an
+axis of the same size is never taken for the batch). At each size:
 
 1. twice as it is: row 0 of the outputs must come out bit for bit the same (else "not verified");
 2. with some rows changed at every *site* the batch flows through (the model's inputs and the
@@ -22,30 +29,46 @@ so Dropout draws the same masks in every call):
    the same values, whatever the other rows hold, and so whatever the weights. Any difference is
    mixing; a bisection over the sites names the last one whose changed rows reach the others
    (the mixing is downstream of it);
-3. the loss on the first call's outputs and labels, then on both with rows changed in the same
-   two directions: the other examples' losses must stay bit for bit the same, else the loss
-   mixes examples.
+3. the loss on the first call's outputs and labels, then with rows changed in the same two
+   directions (their predictions replaced by the model's own predictions for changed inputs,
+   their labels flipped between 0 and 1): the other examples' losses must stay bit for bit the
+   same, else the loss mixes examples;
+4. the backward pass, run as the fast path runs it (:mod:`dpcore.engine.ghost`'s recorder): the
+   loss of each single row (of rows ``0`` and ``1..B-1`` together on the batch's own size) is
+   differentiated to every floating input, every leaf layer output and every tensor whose
+   output gradient the fast path reads (a rule's pre-activation output); on every other row
+   the gradient must be exactly zero. A finite non-zero value is mixing (the fast path's
+   per-example norms and clipped sums come from one batched backward pass, which would carry
+   other rows' gradients); a non-finite one leaves the model unverified.
 
-Changing a row: floating entries move past every value of their tensor
-(``±(max |x| + 1) (2 + |N(0, 1)|)``), integers move by one, booleans flip. All of it runs from
-three bases of synthetic rows, so that a maximum, minimum, "any" or "all" over the batch moves
-too: integers all 0 moved up (floats up), integers all 1 moved down (floats down), integers all
-1 moved up to 2 (skipped where 2 is not a valid id, e.g. a segment id of a vocabulary of two).
-Floating leaves are standard normal; booleans start as the integers' ``bool``; an unknown
-non-batch dimension is 4 everywhere, so inputs and labels of one length stay alike.
+Values: floating inputs are standard normal and move past every value of their tensor
+(``±(max |x| + 1) (2 + |N(0, 1)|)``); integer inputs run from three bases, all 0 moved up to 1,
+all 1 moved down to 0, and all 1 moved up to 2 (skipped where 2 is not a valid id, e.g. a
+segment id of a vocabulary of two), booleans flip, so that a maximum, minimum, "any" or "all"
+over the batch moves too; an unknown non-batch dimension is 4 everywhere. Labels of every dtype
+and structure (sparse, one-hot, binary, regression, dicts) are 0 in the first base and 1 in the
+others and only ever flip between 0 and 1, values every classification or regression loss
+takes (a sparse loss needs two classes); predictions fed to the loss are the model's own. The
+probe's own runs print nothing (TensorFlow's C++ log lines and Python warnings are held back).
+Sample weights are not probed: they multiply each example's loss from outside.
 
 It is a probe, not a proof: mixing that happens only for particular values stays unseen, e.g. a
 layer that imputes a sentinel (``-1``) with the batch mean, or a loss normalised by the number of
 labels in the batch that are not an "ignore" value (``-100``), or by a count of positions a
-``Masking(0.0)`` keeps. Such models and losses mix examples and are outside the contract.
+``Masking(0.0)`` keeps; and with an unknown static batch size, a layer that branches on the
+dynamic size is probed at ``R`` rows only. Such models and losses mix examples and are outside
+the contract.
 
 :func:`check_rows_independent` raises on mixing. When the probe cannot run (an input the
-synthetic rows do not fit, a layer that fails eagerly) or the model or loss is not deterministic
-(e.g. unseeded ``tf.random`` inside a layer), it returns the reason instead: the fast path then
-computes the whole model by the vectorized path, which builds each example's gradient from that
-example alone. Results are cached per model, loss object, layers (a layer without weights added
-to a ``Sequential`` changes the model), variables, input and label signature and mode, so inside
-a ``tf.function`` the probe runs when the step is traced.
+synthetic rows do not fit, a layer that fails eagerly), the model or loss is not deterministic
+(e.g. unseeded ``tf.random`` inside a layer) or its backward pass is not finite on other rows,
+it returns the reason instead: the fast path then computes the whole model by the vectorized
+path, which builds each example's gradient from that example alone, and
+:func:`warn_whole_model_fallback` says so once, with the cost, and records it for
+:func:`dpcore.explain.explain`. Results are cached per model, loss object, layers (a layer
+without weights added to a ``Sequential`` changes the model), variables, layer rules, input and
+label signature, static batch size and mode, so inside a ``tf.function`` the probe runs when the
+step is traced.
 """
 
 from __future__ import annotations
@@ -269,9 +292,12 @@ def mixing_probe(
       does); ``unverified`` is the reason the probe could not decide (None when it could).
 
     Privacy:
-      Reads nothing of the batch but the shapes and dtypes of ``x`` and ``y``: every value the
-      model and the loss see is synthetic (see the module docstring), so whether a model is
-      refused, or which path computes it, depends on no example's values and releases nothing.
+      Reads nothing of the batch but the shapes (the static batch size included) and dtypes of
+      ``x`` and ``y``: every value the model and the loss see is synthetic (see the module
+      docstring), never a row of the batch, so whether a model is refused, or which path
+      computes it, depends on no example's values and releases nothing about them (probe rows
+      copied from the batch would make that decision, an observable outside the accounted
+      noisy sums, a function of private data).
     """
     odd = probe_rows([x, y], variables, start=3)
     static = _static_rows(x)
@@ -582,7 +608,9 @@ def check_rows_independent(
 
     Privacy:
       Enforces the premise of per-example clipping: removing one example leaves every other
-      example's loss, and so its clipped gradient, unchanged.
+      example's loss, and so its clipped gradient, unchanged, and the fast path's per-example
+      norms and clipped sums, read from one batched backward pass, hold each example's own
+      gradient only. Reads only shapes and dtypes (:func:`mixing_probe`).
     """
     training = True if tf.is_tensor(training) else bool(training)
     # The objects the result is about, held by the cache entry so that their ids stay theirs:
