@@ -47,7 +47,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dpcore import distribute, sampling, validation
+from dpcore import distribute, losses, sampling, validation
 from dpcore.backup import StepBackup
 from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
@@ -304,6 +304,7 @@ class DPModel(keras.Model):
         self._sampler_passes: int | None = None
         self._whole_steps = False  # a train-function call runs whole logical steps
         self._per_example_loss: PerExampleLoss | None = None
+        self._keras_loss_trackers = {"loss"}
         if model.built:  # the wrapper owns no variables of its own
             self.built = True
 
@@ -777,9 +778,10 @@ class DPModel(keras.Model):
 
         Args:
           optimizer: a :class:`DPOptimizer`.
-          loss: one loss for the single output (name, ``keras.losses.Loss`` or a callable
-            ``(y_true, y_pred) -> [B]``).
-          loss_weights: not supported (raises if given).
+          loss: the loss (name, ``keras.losses.Loss`` or a callable ``(y_true, y_pred) -> [B]``);
+            for several outputs a dict (keyed by output name) or list of them, as in Keras.
+          loss_weights: optional weight of each output's loss, as in Keras: each example's loss
+            is the weighted sum of its outputs' losses (:func:`dpcore.losses.per_example_loss_fn`).
           metrics: Keras metrics, evaluated on the real (unmasked) rows only.
           weighted_metrics: Keras metrics weighted by ``sample_weight``, real rows only.
           **kwargs: other ``keras.Model.compile`` arguments (``run_eagerly``,
@@ -787,7 +789,7 @@ class DPModel(keras.Model):
 
         Raises:
           TypeError: if ``optimizer`` is not a :class:`DPOptimizer`.
-          ValueError: for a missing, multi-output or weighted loss.
+          ValueError: for a missing loss.
         """
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(
@@ -797,20 +799,21 @@ class DPModel(keras.Model):
             )
         if loss is None:
             raise ValueError("loss=None: DP training needs a loss (one value per example).")
-        if isinstance(loss, (dict, list, tuple)):
-            raise ValueError(
-                f"loss={loss!r}: DPModel supports one loss for a single output; combine per-output "
-                "losses into one callable (y_true, y_pred) -> [B]."
-            )
-        if loss_weights is not None:
-            raise ValueError(f"loss_weights={loss_weights!r} is not supported by DPModel.")
-        self._per_example_loss = per_example_loss_fn(loss)
+        names = getattr(self.model, "output_names", None)
+        if names is not None:  # Keras's compiled losses and metrics key dicts by them
+            self.output_names = list(names)
+        self._per_example_loss = per_example_loss_fn(
+            loss, loss_weights=loss_weights, output_names=names
+        )
+        keys = [*(names or []), *(loss if isinstance(loss, dict) else [])]
+        self._keras_loss_trackers = {"loss", *(f"{k}_loss" for k in keys)}
         self.__dict__.pop("_dpcore_worker_functions", None)  # traced for the previous compile
         kwargs["auto_scale_loss"] = False
         kwargs.setdefault("jit_compile", False)
         super().compile(
             optimizer=optimizer,
             loss=loss,
+            loss_weights=loss_weights,
             metrics=metrics,
             weighted_metrics=weighted_metrics,
             **kwargs,
@@ -835,7 +838,8 @@ class DPModel(keras.Model):
             m
             for m in super().metrics
             if all(m is not o for o in own)
-            and not (m.name == "loss" and isinstance(m, keras.metrics.Mean))
+            # Keras's total and per-output loss trackers: its compiled loss never runs here.
+            and not (m.name in self._keras_loss_trackers and isinstance(m, keras.metrics.Mean))
         ]
         return [*own, *rest]
 
@@ -898,7 +902,9 @@ class DPModel(keras.Model):
             step_end=step_end,
             options=self._step_options,
         )
-        self.loss_tracker.update_state(result.loss, sample_weight=result.num_examples)
+        self.loss_tracker.update_state(
+            result.loss + result.regularization_loss, sample_weight=result.num_examples
+        )
         if self.skipped_tracker is not None:
             self.skipped_tracker.update_state(result.num_skipped)
         logs = self._metric_results(x, y, result.y_pred, sample_weight, result.mask)
@@ -951,6 +957,9 @@ class DPModel(keras.Model):
             weights = weights * tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
         num = tf.reduce_sum(mask)
         mean = tf.reduce_sum(tf.where(mask > 0, values * weights, 0.0)) / tf.maximum(num, 1.0)
+        regularization = losses.regularization(self.model, x, training=False)
+        if regularization is not None:  # as Keras's evaluate adds it
+            mean += regularization.value()
         self.loss_tracker.update_state(mean, sample_weight=num)
         return self._metric_results(x, y, y_pred, sample_weight, mask)
 

@@ -679,6 +679,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         *,
         step_end: Any = None,
         step_noise: StepNoise | None = None,
+        public_grads: Sequence[Any] | None = None,
     ) -> None:
         """Accumulates a clipped sum; at the end of a logical step noises it once and applies it.
 
@@ -691,6 +692,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             ``accumulation_steps`` must be 1).
           step_noise: this step's noise draw from :meth:`draw_step_noise`, made before the
             forward pass so that the draw overlaps it; None draws it when the step ends.
+          public_grads: optional gradients (one per variable, None for none) of terms that are
+            functions of the weights alone, e.g. weight regularizers
+            (:class:`dpcore.losses.Regularization`): added, unclipped and unnoised, to the
+            privatized gradient of the logical step; the last micro-batch's are used.
 
         Raises:
           ValueError: for mismatched gradients/variables or a sensitivity that changes between
@@ -709,7 +714,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         Privacy:
           Noise ``N(0, (σ · clipped.l2_sensitivity)^2)`` is added once to the summed micro-batches
           of a logical step, then divided by ``expected_batch_size``. Micro-batches of one logical
-          step must be disjoint.
+          step must be disjoint. ``public_grads`` must not depend on any example: they are added
+          after the noise, as post-processing.
         """
         validation.check_not_compiled_by_xla("DPOptimizer.apply_clipped_sum")
         self._check_strategy()
@@ -741,6 +747,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     f"clipped gradient of shape {None if g is None else tuple(g.shape)} does not "
                     f"match variable {getattr(v, 'path', v.name)} of shape {tuple(v.shape)}."
                 )
+        public = None
+        if public_grads is not None:
+            public = list(public_grads)
+            if len(public) != len(variables) or any(
+                p is not None and tuple(p.shape) != tuple(v.shape)
+                for p, v in zip(public, variables)
+            ):
+                raise ValueError("public_grads must hold one gradient (or None) per variable.")
+            public = [
+                tf.zeros(v.shape, tf.float32) if p is None else tf.cast(p, tf.float32)
+                for p, v in zip(public, variables)
+            ]
         if (clipped.unclipped_count is None) != (self.adaptive_clip is None):
             raise ValueError(
                 "clipped.unclipped_count must be given exactly when the optimizer has "
@@ -817,7 +835,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if step_noise is not None and not isinstance(step_noise, StepNoise):
             raise TypeError("step_noise must come from DPOptimizer.draw_step_noise().")
         with tf.control_dependencies(grads):
-            self._update(clipped, grads, variables, step_end, step_noise)
+            self._update(clipped, grads, variables, step_end, step_noise, public)
 
     def _check_adaptive_bound(self, sensitivity: Any) -> list[Any]:
         """Assertions, run with the step, that the adaptive bound C is finite and within
@@ -858,9 +876,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         variables: Sequence[Any],
         step_end: tf.Tensor | None,
         step_noise: StepNoise | None,
+        public: list[tf.Tensor] | None = None,
     ) -> None:
         if step_end is None and self.accumulation_steps == 1:
-            self._finish(clipped, grads, variables, accumulators=None, step_noise=step_noise)
+            self._finish(
+                clipped, grads, variables, accumulators=None, step_noise=step_noise, public=public
+            )
             return
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         if self.adaptive_clip is not None:
@@ -873,9 +894,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
         else:
             end = step_end
 
-        def finish(totals: Sequence[tf.Tensor], step_noise: StepNoise | None = step_noise) -> None:
+        def finish(
+            totals: Sequence[tf.Tensor],
+            step_noise: StepNoise | None = step_noise,
+            public: list[tf.Tensor] | None = public,
+        ) -> None:
             self._finish(
-                clipped, totals, variables, accumulators=accumulators, step_noise=step_noise
+                clipped,
+                totals,
+                variables,
+                accumulators=accumulators,
+                step_noise=step_noise,
+                public=public,
             )
 
         def accumulate(totals: Sequence[tf.Tensor]) -> None:
@@ -895,16 +925,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # The inner optimizer synchronizes replicas (merge_call), which a tf.cond in replica
         # context cannot contain: branch in cross-replica context, then run each branch on every
         # replica (the pattern keras.optimizers.LossScaleOptimizer uses).
-        def branch(distribution: Any, end: Any, totals: Any) -> None:
+        def branch(distribution: Any, end: Any, totals: Any, public: Any = None) -> None:
             end = distribution.experimental_local_results(end)[0]
             tf.cond(
                 end,
                 # Drawn in the branch: replica-context tensors do not cross the merge call.
-                lambda: distribution.extended.call_for_each_replica(finish, args=(totals, None)),
+                lambda: distribution.extended.call_for_each_replica(
+                    finish, args=(totals, None, public)
+                ),
                 lambda: distribution.extended.call_for_each_replica(accumulate, args=(totals,)),
             )
 
-        tf.distribute.get_replica_context().merge_call(branch, args=(end, totals))
+        # Replica-context tensors cross the merge call as its arguments only.
+        args = (end, totals) if public is None else (end, totals, public)
+        tf.distribute.get_replica_context().merge_call(branch, args=args)
 
     def _finish(
         self,
@@ -914,6 +948,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         *,
         accumulators: Sequence[Any] | None,
         step_noise: StepNoise | None = None,
+        public: Sequence[tf.Tensor] | None = None,
     ) -> None:
         count = None
         sigma: Any = self._noise_multiplier
@@ -937,6 +972,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             if count is not None:
                 self._update_adaptive_clip(tf.identity(count))
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            if public is not None:
+                # Functions of the weights alone (e.g. weight regularizers), the same on every
+                # replica: added after the noise, as post-processing (PRIVACY.md).
+                noised = [n + p for n, p in zip(noised, public)]
             # Every replica holds the same noised sum (same all-reduced input, same seed); the
             # inner Keras optimizer all-reduces (sums) its gradients across replicas: 1/R each.
             noised = [tf.cast(n / replicas, v.dtype) for n, v in zip(noised, variables)]

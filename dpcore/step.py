@@ -8,7 +8,10 @@ Contract: :func:`dp_step` is the only place that composes the stages of DP-SGD:
 2. :meth:`dpcore.DPOptimizer.clip` clips every example with the optimizer's own bound(s) into a
    :class:`~dpcore.aggregation.ClippedSum` of known sensitivity;
 3. :meth:`dpcore.DPOptimizer.apply_clipped_sum` accumulates it and, at the end of the logical step,
-   adds the noise once, normalizes by ``expected_batch_size`` and applies the update.
+   adds the noise once, normalizes by ``expected_batch_size``, adds the gradient of the model's
+   data-independent loss terms (weight regularizers, ``add_loss`` terms of the weights alone:
+   :func:`dpcore.losses.regularization`, which refuses the data-dependent ones) and applies the
+   update.
 
 :class:`dpcore.DPModel` (``fit``) and custom loops (:func:`dp_train_step`) both call it, inside a
 compiled step that traces once. Everything it returns besides the update is computed from the raw
@@ -22,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from dpcore import engine, validation
+from dpcore import engine, losses, validation
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
 
@@ -46,6 +49,9 @@ class DPStepResult:
       input_gradients: per-example gradients w.r.t. the inputs, or None.
       num_skipped: real examples dropped by ``nonfinite="skip"`` (non-finite inputs, labels,
         weights, loss or gradient); always 0 with ``"raise"``.
+      regularization_loss: float32 scalar, the model's data-independent loss terms (weight
+        regularizers, ``add_loss`` terms of the weights alone) at the weights before the update:
+        what Keras adds to ``loss`` in its logs. 0 when the model has none.
 
     Privacy:
       Not private: every field is computed from the raw batch without noise, several of them
@@ -62,6 +68,7 @@ class DPStepResult:
     per_example_norms: tf.Tensor
     input_gradients: Any = None
     num_skipped: Any = 0.0
+    regularization_loss: Any = 0.0
 
 
 # Traced as written, as Keras traces its own ``fit`` step: AutoGraph (on by default in a user's
@@ -109,6 +116,9 @@ def dp_step(
             with tf.control_dependencies([uniform]):
                 step_end = tf.identity(tf.reduce_any(end))
     variables = list(model.trainable_variables)
+    options = resolve(options)
+    # Refuses data-dependent terms (activity regularizers, add_loss of the batch) before anything.
+    regularization = losses.regularization(model, x, training=options.training)
     # Data-independent: drawn first, so that it overlaps the forward and backward passes.
     step_noise = optimizer.draw_step_noise(variables)
     summary = engine.summarize(
@@ -119,11 +129,20 @@ def dp_step(
         sample_weight=sample_weight,
         mask=mask,
         variables=variables,
-        options=resolve(options),
+        options=options,
     )
     clipped = optimizer.clip(summary)
+    regularization_loss: Any = tf.zeros([], tf.float32)
+    public_grads = None
+    if regularization is not None:
+        # Functions of the weights alone: added after the noise, unclipped (post-processing).
+        regularization_loss, public_grads = regularization.value_and_gradients(summary.variables)
     optimizer.apply_clipped_sum(
-        clipped, summary.variables, step_end=step_end, step_noise=step_noise
+        clipped,
+        summary.variables,
+        step_end=step_end,
+        step_noise=step_noise,
+        public_grads=public_grads,
     )
     num = tf.reduce_sum(summary.mask)
     mean_loss = tf.reduce_sum(tf.cast(summary.per_example_loss, tf.float32)) / tf.maximum(num, 1.0)
@@ -136,6 +155,7 @@ def dp_step(
         per_example_norms=clipped.per_example_norms,
         input_gradients=summary.input_gradients,
         num_skipped=summary.num_skipped,
+        regularization_loss=regularization_loss,
     )
 
 
@@ -164,7 +184,13 @@ def dp_train_step(
 
     Args:
       model: a built Keras model.
-      loss: a per-example loss (``reduction=None``, shape ``[B]``) or a Keras loss/name.
+      loss: a per-example loss (``reduction=None``, shape ``[B]``) or a Keras loss/name; for a
+        model with several outputs a dict or list of them, or
+        :func:`dpcore.losses.per_example_loss_fn` ``(losses, loss_weights=...,
+        output_names=model.output_names)`` for weighted outputs (Keras's weighted sum per
+        example). The model's weight regularizers and ``add_loss`` terms of the weights alone
+        enter the update as in Keras; activity regularizers and ``add_loss`` terms of the batch
+        are refused (:func:`dpcore.losses.regularization`).
       x: inputs with a leading batch axis.
       y: labels.
       optimizer: the :class:`~dpcore.DPOptimizer` (privacy parameters and DP state).
@@ -182,12 +208,14 @@ def dp_train_step(
         :func:`dpcore.distribute.distribute_sampled`, which checks them against the data.
 
     Returns:
-      The mean per-example loss of the real examples, or ``(loss, input_gradients)`` with
-      ``options.wrt_inputs``.
+      The mean per-example loss of the real examples plus the model's data-independent loss
+      terms (weight regularizers, ``add_loss`` terms of the weights alone), as Keras reports its
+      loss; or ``(loss, input_gradients)`` with ``options.wrt_inputs``.
 
     Privacy:
-      The model update is (σ, C)-Gaussian-privatized per logical step. The returned loss and input
-      gradients come from the raw batch and are not private: do not release them.
+      The model update is (σ, C)-Gaussian-privatized per logical step, plus the gradient of the
+      data-independent loss terms (post-processing). The returned loss and input gradients come
+      from the raw batch and are not private: do not release them.
     """
     options = resolve(options)
     result = dp_step(
@@ -201,6 +229,7 @@ def dp_train_step(
         step_end=step_end,
         options=options,
     )
+    loss_value = result.loss + result.regularization_loss
     if options.wrt_inputs:
-        return result.loss, result.input_gradients
-    return result.loss
+        return loss_value, result.input_gradients
+    return loss_value
