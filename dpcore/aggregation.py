@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from dpcore.engine.summary import GradientSummary
 from dpcore.norms import round_down_f32
+from dpcore_accounting import events
 
 _TINY = 1e-12
 # An example's contribution to a clipped sum has norm at most C * (1 + CONTRIBUTION_TOLERANCE):
@@ -51,11 +52,16 @@ MIN_NOISE_STDDEV = 2.0**-40
 MAX_NOISE_STDDEV = 2.0**100
 
 
-def _check_clip(name: str, value: float) -> float:
-    value = float(value)
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}.")
-    return value
+def _check_clip(name: str, value: object) -> float:
+    """A clip bound: a number > 0, inf included (no clipping, accepted only with σ = 0)."""
+    return events.check_number(
+        value,
+        name,
+        low=0.0,
+        low_open=True,
+        allow_inf=True,
+        expected="a number > 0 (inf only with noise_multiplier=0)",
+    )
 
 
 def check_privacy_args(
@@ -64,7 +70,9 @@ def check_privacy_args(
     noise_multiplier: SupportsFloat,
     expected_batch_size: float,
 ) -> None:
-    """Raises ValueError naming the argument for out-of-range privacy parameters.
+    """Raises ValueError naming the argument for a missing, mistyped or out-of-range privacy
+    parameter (:func:`dpcore_accounting.events.check_number`: None, bools, strings and NaN are
+    refused).
 
     ``noise_multiplier`` must be finite and >= 0, ``expected_batch_size`` finite and > 0, every
     ``l2_norm_clip`` > 0. An infinite clip bound (no clipping: unbounded sensitivity) is only
@@ -73,29 +81,22 @@ def check_privacy_args(
     for per-group bounds) must lie in ``[MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]``: below, float32
     flushes noise values to zero; above, they overflow.
     """
-    clips = l2_norm_clip if isinstance(l2_norm_clip, (list, tuple)) else [l2_norm_clip]
-    if not clips:
-        raise ValueError("l2_norm_clip=[]: give one bound, or one per variable group.")
-    for c in clips:
-        _check_clip("l2_norm_clip", c)
-    sigma = float(noise_multiplier)
-    if not (math.isfinite(sigma) and sigma >= 0):
-        raise ValueError(
-            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}."
-        )
-    batch = float(expected_batch_size)
-    if not (math.isfinite(batch) and batch > 0):
-        raise ValueError(
-            f"expected_batch_size must be a finite number > 0, got {expected_batch_size!r}."
-        )
-    if sigma > 0 and not all(math.isfinite(float(c)) for c in clips):
+    if isinstance(l2_norm_clip, (list, tuple)):
+        if not l2_norm_clip:
+            raise ValueError("l2_norm_clip=[]: give one bound, or one per variable group.")
+        clips = [_check_clip(f"l2_norm_clip[{i}]", c) for i, c in enumerate(l2_norm_clip)]
+    else:
+        clips = [_check_clip("l2_norm_clip", l2_norm_clip)]
+    sigma = events.check_noise_multiplier(noise_multiplier)
+    events.check_number(expected_batch_size, "expected_batch_size", low=0.0, low_open=True)
+    if sigma > 0 and not all(math.isfinite(c) for c in clips):
         raise ValueError(
             f"l2_norm_clip={l2_norm_clip!r} with noise_multiplier={noise_multiplier!r}: an infinite "
             "clip bound has unbounded sensitivity, so no noise makes the step private; use a "
             "finite l2_norm_clip (an infinite one only with noise_multiplier=0, a non-private run)."
         )
     if sigma > 0:
-        stddev = sigma * math.hypot(*(float(c) for c in clips))
+        stddev = sigma * math.hypot(*clips)
         if not MIN_NOISE_STDDEV <= stddev <= MAX_NOISE_STDDEV:
             raise ValueError(
                 f"l2_norm_clip={l2_norm_clip!r} with noise_multiplier={noise_multiplier!r} gives a "

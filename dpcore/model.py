@@ -1097,7 +1097,7 @@ def make_private(
             l2_norm_clip=given["l2_norm_clip"],
             noise_multiplier=given["noise_multiplier"],
             expected_batch_size=given["expected_batch_size"],
-            accumulation_steps=int(given.get("accumulation_steps", 1)),
+            accumulation_steps=given.get("accumulation_steps", 1),
             seed=seed,
         )
     dp_model = DPModel(model, options=options, augmentations=augmentations, augment_fn=augment_fn)

@@ -56,6 +56,7 @@ from dpcore import adaptive, aggregation, distribute, validation
 from dpcore.adaptive import AdaptiveClip
 from dpcore.aggregation import ClippedSum
 from dpcore.engine.summary import GradientSummary
+from dpcore_accounting import events
 
 __all__ = ["DPOptimizer", "DPState", "DPStateSource"]
 
@@ -228,7 +229,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
       inner_optimizer: the Keras optimizer that applies the privatized gradient (or its name).
         Its ``gradient_accumulation_steps`` and ``loss_scale_factor`` must be unset.
       l2_norm_clip: per-example clipping bound C (> 0), or one bound per variable group.
-      noise_multiplier: σ (>= 0); the noise std on the clipped sum is ``σ * C``.
+      noise_multiplier: σ (>= 0); the noise std on the clipped sum is ``σ * C``. σ = 0 adds no
+        noise (ε = inf) and warns once per optimizer that the run is not private.
       expected_batch_size: the divisor of the noised sum (> 0): ``sampling_prob * num_examples``
         under Poisson sampling, the batch size (times ``accumulation_steps``) otherwise.
       accumulation_steps: micro-steps per logical step when the caller gives no ``step_end``.
@@ -296,12 +298,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
         )
-        if isinstance(accumulation_steps, bool) or int(accumulation_steps) != accumulation_steps:
-            raise ValueError(
-                f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}."
-            )
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps!r}.")
+        accumulation_steps = events.check_positive_int(accumulation_steps, "accumulation_steps")
         if adaptive_clip is not None:
             _check_adaptive(adaptive_clip, l2_norm_clip, noise_multiplier)
         _check_polyak(polyak_start_step, inner_optimizer)
@@ -340,6 +337,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # σ is state, read when the step runs: a schedule (set `noise_multiplier` between steps)
         # takes effect without retracing, and what the callbacks read is what ran.
         self._noise_multiplier = self._scalar_state("noise_multiplier", sigma)
+        self._warned_not_private = False
+        self._warn_if_not_private(sigma)
         # (dp_steps when set, σ) for every σ set through the setter: the callbacks account each
         # step with the σ it ran with, whatever the order of the callbacks that set it.
         self._noise_changes: tuple[tuple[int, float], ...] = ()
@@ -444,12 +443,25 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         if float(value) == self.noise_multiplier:
             return  # nothing changes (a schedule may set the same σ every epoch)
+        self._warn_if_not_private(float(value))
         self._noise_multiplier.assign(float(value))
         applied = int(keras.ops.convert_to_numpy(self.dp_steps))
         self._noise_changes = (
             *self._noise_changes,
             (applied, float(keras.ops.convert_to_numpy(self._noise_multiplier))),
         )
+
+    def _warn_if_not_private(self, sigma: float) -> None:
+        """Warns, once per optimizer, when σ = 0: the run adds no noise and has ε = inf."""
+        if sigma == 0.0 and not self._warned_not_private:
+            self._warned_not_private = True
+            warnings.warn(
+                f"noise_multiplier=0: DPOptimizer {self.name!r} adds no noise, so this run is "
+                "NOT differentially private (epsilon = inf). Use noise_multiplier > 0 for a "
+                "private run (DPConfig.calibrated finds one for a target epsilon).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # ----------------------------------------------------------------------------- state
     def build(self, var_list: Sequence[Any]) -> None:

@@ -30,7 +30,6 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any
 
@@ -45,11 +44,10 @@ __all__ = ["DPConfig"]
 
 def _steps_for_epochs(epochs: object, fields: dict[str, Any]) -> int:
     """`ev.steps_for_epochs` for constructor keywords; epochs must be > 0 here."""
-    if not ev._is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
-        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+    passes = ev.check_number(epochs, "epochs", low=0, low_open=True)
     # Missing or wrong-typed fields are refused by ev.steps_for_epochs with the field's name.
     return ev.steps_for_epochs(
-        epochs,
+        passes,
         num_examples=fields.get("num_examples"),  # type: ignore[arg-type]
         expected_batch_size=fields.get("expected_batch_size"),  # type: ignore[arg-type]
         sampling=fields.get("sampling", "poisson"),
@@ -92,22 +90,16 @@ class DPConfig:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        clip = self.l2_norm_clip
-        if not ev._is_number(clip) or not math.isfinite(float(clip)) or float(clip) <= 0:
-            raise ValueError(f"l2_norm_clip must be a finite number > 0, got {clip!r}.")
-        put("l2_norm_clip", float(clip))
+        put(
+            "l2_norm_clip", ev.check_number(self.l2_norm_clip, "l2_norm_clip", low=0, low_open=True)
+        )
         put("noise_multiplier", ev.check_noise_multiplier(self.noise_multiplier))
         put("num_examples", ev.check_positive_int(self.num_examples, "num_examples"))
-        batch = self.expected_batch_size
-        if not ev._is_number(batch) or not 0 < float(batch) <= self.num_examples:
-            raise ValueError(
-                f"expected_batch_size must be in (0, num_examples={self.num_examples}], "
-                f"got {batch!r}."
-            )
-        put("expected_batch_size", float(batch))
+        batch = ev.check_batch_size(self.expected_batch_size, num_examples=self.num_examples)
+        put("expected_batch_size", batch)
         put("steps", ev.check_positive_int(self.steps, "steps"))
         ev.check_choice(self.sampling, ev.SAMPLING_MODES, "sampling")
-        if self.sampling == "shuffle" and float(batch) != int(batch):
+        if self.sampling == "shuffle" and batch != int(batch):
             raise ValueError(
                 f"sampling='shuffle' needs a whole expected_batch_size (the fixed batch "
                 f"size), got {batch!r}."

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any, TypeGuard
 
@@ -57,56 +58,109 @@ NEIGHBORING_RELATIONS = {
 
 
 # ------------------------------------------------------------------------------- validation
+def _as_real(value: object) -> float | None:
+    """`value` as a float when it is one real number, else None.
+
+    Python and numpy numbers and 0-d arrays (or eager tensors) count; bools, strings, None and
+    sequences do not, so `True` is never taken for 1.
+    """
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(type(value), "__float__") and getattr(value, "ndim", None) == 0:
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
 def _is_number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _as_real(value) is not None
+
+
+def _bounds(low: float, high: float, low_open: bool, high_open: bool, integer: bool) -> str:
+    kind = "an integer" if integer else "a number"
+    if math.isfinite(low) and math.isfinite(high):
+        return f"{kind} in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if math.isfinite(low):
+        kind = kind if integer else "a finite number"
+        return f"{kind} {'>' if low_open else '>='} {low:g}"
+    return f"a finite {kind[2:]}"
+
+
+def check_number(
+    value: object,
+    name: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+    allow_inf: bool = False,
+    expected: str | None = None,
+) -> float:
+    """The one check of every numeric privacy argument: `value` as a float, else ValueError.
+
+    `value` must be a real number (not a bool, a string or None) within `[low, high]` (an end
+    excluded with `low_open` / `high_open`), finite unless `allow_inf` (NaN never passes), and
+    whole with `integer`. The error names the argument, says what it must be (`expected`, or
+    the bounds in words) and shows the value received.
+    """
+    number = _as_real(value)
+    ok = number is not None and not math.isnan(number)
+    if ok and number is not None:
+        ok = (
+            (allow_inf or math.isfinite(number))
+            and (low < number if low_open else low <= number)
+            and (number < high if high_open else number <= high)
+            and (not integer or (math.isfinite(number) and number == int(number)))
+        )
+    if not ok or number is None:
+        what = expected or _bounds(low, high, low_open, high_open, integer)
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+    return number
 
 
 def check_sampling_prob(sampling_prob: object, name: str = "sampling_prob") -> float:
     """Returns `sampling_prob` as a float in (0, 1], else raises ValueError."""
-    if not _is_number(sampling_prob) or not 0.0 < float(sampling_prob) <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {sampling_prob!r}.")
-    return float(sampling_prob)
+    return check_number(sampling_prob, name, low=0.0, high=1.0, low_open=True, expected="in (0, 1]")
 
 
 def check_delta(target_delta: object, name: str = "target_delta") -> float:
     """Returns `target_delta` as a float in (0, 1), else raises ValueError."""
-    if not _is_number(target_delta) or not 0.0 < float(target_delta) < 1.0:
-        raise ValueError(f"{name} must be in (0, 1), got {target_delta!r}.")
-    return float(target_delta)
+    return check_number(
+        target_delta, name, low=0.0, high=1.0, low_open=True, high_open=True, expected="in (0, 1)"
+    )
 
 
 def check_epsilon(target_epsilon: object, name: str = "target_epsilon") -> float:
     """Returns `target_epsilon` as a finite float > 0, else raises ValueError."""
-    if (
-        not _is_number(target_epsilon)
-        or not math.isfinite(float(target_epsilon))
-        or float(target_epsilon) <= 0.0
-    ):
-        raise ValueError(f"{name} must be a finite number > 0, got {target_epsilon!r}.")
-    return float(target_epsilon)
+    return check_number(target_epsilon, name, low=0.0, low_open=True)
 
 
 def check_noise_multiplier(noise_multiplier: object, name: str = "noise_multiplier") -> float:
     """Returns `noise_multiplier` as a finite float >= 0, else raises ValueError."""
-    if (
-        not _is_number(noise_multiplier)
-        or not math.isfinite(float(noise_multiplier))
-        or float(noise_multiplier) < 0.0
-    ):
-        raise ValueError(f"{name} must be a finite number >= 0, got {noise_multiplier!r}.")
-    return float(noise_multiplier)
+    return check_number(noise_multiplier, name, low=0.0)
 
 
 def check_positive_int(value: object, name: str) -> int:
     """Returns `value` as an int >= 1 (integral floats accepted), else raises ValueError."""
-    if not (
-        _is_number(value)
-        and math.isfinite(float(value))
-        and float(value) == int(value)
-        and int(value) >= 1
-    ):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return int(value)
+    return int(check_number(value, name, low=1, integer=True))
+
+
+def check_batch_size(expected_batch_size: object, *, num_examples: int) -> float:
+    """Returns `expected_batch_size` as a float in (0, num_examples], else raises ValueError."""
+    return check_number(
+        expected_batch_size,
+        "expected_batch_size",
+        low=0.0,
+        high=num_examples,
+        low_open=True,
+        expected=f"in (0, num_examples={num_examples}]",
+    )
 
 
 def check_choice(value: object, choices: Iterable[str], name: str) -> str:
@@ -188,20 +242,16 @@ def steps_for_epochs(
       The step count, >= 1 for E > 0.
     """
     check_choice(sampling, SAMPLING_MODES, "sampling")
-    if not _is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) < 0:
-        raise ValueError(f"epochs must be a finite number >= 0, got {epochs!r}.")
+    passes = check_number(epochs, "epochs", low=0.0)
     n = check_positive_int(num_examples, "num_examples")
-    if not _is_number(expected_batch_size) or not 0 < expected_batch_size <= n:
-        raise ValueError(
-            f"expected_batch_size must be in (0, num_examples={n}], got {expected_batch_size!r}."
-        )
-    if float(epochs) == 0:
+    batch = check_batch_size(expected_batch_size, num_examples=n)
+    if passes == 0:
         return 0
     if sampling == "shuffle":
-        spe = shuffle_steps_per_epoch(num_examples=n, batch_size=int(expected_batch_size))
+        spe = shuffle_steps_per_epoch(num_examples=n, batch_size=int(batch))
     else:
-        spe = max(1, math.ceil(n / float(expected_batch_size) - 1e-9))
-    return max(1, math.ceil(float(epochs) * spe - 1e-9))
+        spe = max(1, math.ceil(n / batch - 1e-9))
+    return max(1, math.ceil(passes * spe - 1e-9))
 
 
 def shuffle_epochs(*, steps: int, steps_per_epoch: int) -> int:
@@ -250,9 +300,7 @@ def shuffle_event(
     if steps is not None:
         count = shuffle_epochs(steps=steps, steps_per_epoch=spe)
     else:
-        if not _is_number(epochs) or not math.isfinite(float(epochs)) or float(epochs) <= 0:
-            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
-        count = math.ceil(float(epochs) - 1e-12)
+        count = math.ceil(check_number(epochs, "epochs", low=0, low_open=True) - 1e-12)
     return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), count)
 
 

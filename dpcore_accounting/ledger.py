@@ -130,8 +130,7 @@ class PrivacyLedger:
         Privacy:
           Must describe what ran; an under-recorded ledger under-reports ε.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps must be an integer >= 0, got {steps!r}.")
+        steps = int(ev.check_number(steps, "steps", low=0, integer=True))
         sigma = ev.check_noise_multiplier(noise_multiplier)
         q = ev.check_sampling_prob(sampling_prob)
         if steps == 0:

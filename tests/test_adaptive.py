@@ -16,6 +16,10 @@ from dpcore.engine.summary import GradientSummary
 from dpcore.optimizer import DPOptimizer
 from dpcore.step import dp_train_step
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 
 def linear_model(d=4):
     """One bias-free Dense unit: with LOSS each example's gradient is its input row."""

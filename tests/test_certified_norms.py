@@ -16,6 +16,10 @@ from dpcore import aggregation, norms
 from dpcore.options import ExecutionOptions
 from dpcore.testing import reference_per_example_gradients
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 # Stated once for the whole suite: the batch-level float32 sums add rounding of the other records'
 # terms on top of the per-record tolerance (dpcore.aggregation.CONTRIBUTION_TOLERANCE).
 TOLERANCE = 1e-3

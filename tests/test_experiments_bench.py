@@ -18,6 +18,10 @@ from dpcore.options import ExecutionOptions
 from dpcore.testing import assert_sq_norm_bound
 from dpcore.testing.reference import reference_per_example_gradients
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {"model", "method", "batch_size", "median_ms", "ratio_to_nonprivate", "peak_rss_mb"}
 

@@ -6,6 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 pytest.importorskip(
     "keras_hub", reason="keras-hub is not installed (pip install -e '.[test]' installs it)"
 )

@@ -17,6 +17,10 @@ from dpcore.testing import assert_sq_norm_bound, reference_unit_gradients
 from tests.models import BUILDERS, batch_for
 from tests.test_ghost import Scale  # a trainable layer without a rule
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 RTOL = 1e-5
 K = 3
 UNITS = 4

@@ -26,6 +26,10 @@ from dpcore.options import ExecutionOptions
 from dpcore.step import dp_step, dp_train_step
 from tests.test_validation_entry_points import X, Y, _optimizer
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 RNG = np.random.default_rng(1)
 
 

@@ -13,6 +13,10 @@ from dpcore.model import DPModel, make_private
 from dpcore.optimizer import DPOptimizer
 from tests.models import TWO_REPLICA_DATA
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

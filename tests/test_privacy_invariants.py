@@ -87,6 +87,10 @@ from dpcore.callbacks import EpsilonCallback, PrivacyBudgetGuard
 from dpcore.config import DPConfig
 from dpcore.testing import reference_per_example_gradients
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 if "options" in inspect.signature(dpcore.summarize).parameters:
     from dpcore.options import ExecutionOptions
 else:  # releases before it: summarize took method= and nonfinite= keywords

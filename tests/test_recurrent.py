@@ -20,6 +20,10 @@ from dpcore.explain import explain
 from dpcore.testing import reference_clipped_mean, reference_per_example_gradients
 from tests.test_rules import FAST_MODES, check_rule
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 T, F = 4, 3
 
 LAYERS = {

@@ -21,6 +21,10 @@ import dpcore
 from dpcore.rules import LayerRule, default_registry
 from dpcore.testing import reference_clipped_mean, reference_per_example_gradients
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "dpcore" / "rules" / "README.md"
 C = 0.5

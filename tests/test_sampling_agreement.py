@@ -22,6 +22,10 @@ from dpcore.callbacks import EpsilonCallback, PrivacyBudgetGuard
 from dpcore.config import DPConfig
 from dpcore.model import make_private
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 N = 40
 

@@ -20,6 +20,10 @@ from dpcore.callbacks import EpsilonCallback, check_feed_matches_sampling
 from dpcore.options import ExecutionOptions
 from dpcore.testing import reference_clipped_mean, reference_unit_gradients
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 K = 3
 C = 0.5
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)

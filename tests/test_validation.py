@@ -11,6 +11,10 @@ from dpcore.options import ExecutionOptions
 from dpcore.step import dp_step, dp_train_step
 from dpcore.validation import check_layers, check_trainable, find_batch_mixing_layers
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 
 def test_clean_model_has_no_issues():
     model = keras.Sequential(

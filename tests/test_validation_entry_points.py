@@ -16,6 +16,10 @@ from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions
 from dpcore.step import dp_step, dp_train_step
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(4, 3)).astype("float32")
 Y = RNG.normal(size=(4, 1)).astype("float32")
