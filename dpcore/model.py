@@ -38,6 +38,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ import tensorflow as tf
 
 from dpcore import distribute, losses, sampling, validation
 from dpcore.backup import StepBackup
+from dpcore.engine.summary import prepare_batch, readable_error
 from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
@@ -82,6 +84,31 @@ def _bind(method: Any, x: Any, y: Any, args: tuple, kwargs: dict) -> dict[str, A
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
     return arguments
+
+
+def _readable_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``fit``/``evaluate`` raising a failed dpcore check of a batch (NaN in ``x``, ...) as a
+    one-line ValueError (:func:`~dpcore.engine.summary.readable_error`), TensorFlow's error as its
+    cause. The outermost call translates (``fit``'s, around its validation ``evaluate``)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_dpcore_in_call"):
+            return method(self, x, y, *args, **kwargs)
+        self.__dict__["_dpcore_in_call"] = True
+        try:
+            return method(self, x, y, *args, **kwargs)
+        except tf.errors.InvalidArgumentError as error:
+            keras_method = getattr(keras.Model, method.__name__).__get__(self)
+            arguments = _bind(keras_method, x, y, args, kwargs)
+            readable = readable_error(error, method.__name__, arguments)
+            if readable is None:
+                raise
+            raise readable from error
+        finally:
+            self.__dict__["_dpcore_in_call"] = False
+
+    return wrapper
 
 
 @contextlib.contextmanager
@@ -311,6 +338,7 @@ class DPModel(keras.Model):
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.model(inputs, training=training)
 
+    @_readable_errors
     def fit(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Keras ``fit``. A ``tf.data.Dataset`` (e.g. the Poisson sampler's) is used as given:
         its batches are the sampled ones, so it is never reshuffled.
@@ -334,7 +362,9 @@ class DPModel(keras.Model):
           ValueError: before the first step, if the dataset's
             :class:`~dpcore.sampling.SamplingSpec` expects another batch size than the
             optimizer's ``expected_batch_size``; during training, if a pass over
-            ``(x, y, mask, step_end)`` data ends inside a logical step.
+            ``(x, y, mask, step_end)`` data ends inside a logical step, or (one line, TensorFlow's
+            error as its cause) if a dpcore check of a batch fails, e.g. NaN or Inf in ``x``:
+            it names the field and the row of the arrays given (of the batch, for a dataset).
 
         Privacy:
           An unfinished logical step left in the optimizer (interrupted run, checkpoint saved
@@ -531,9 +561,12 @@ class DPModel(keras.Model):
         """Whether the optimizer holds micro-batches of a logical step that has not ended."""
         return int(keras.ops.convert_to_numpy(self.optimizer.micro_steps)) > 0
 
+    @_readable_errors
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Keras ``evaluate``; also takes the sampler's datasets (padding rows are ignored),
-        under a multi-replica strategy too (see :meth:`fit`).
+        under a multi-replica strategy too (see :meth:`fit`). Rows with NaN or Inf fail as in
+        :meth:`fit` (one line naming the field and the row), or are left out under
+        ``ExecutionOptions(nonfinite="skip")``.
 
         Privacy:
           The results are exact, un-noised statistics of the evaluated data (see
@@ -948,13 +981,12 @@ class DPModel(keras.Model):
         if self._per_example_loss is None:
             raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
         x, y, sample_weight, mask, _ = _unpack(data)
+        # Non-finite rows fail (or are skipped) as in training; weights are 0 where mask is.
+        x, y, weights, mask = prepare_batch(
+            x, y, sample_weight, mask, nonfinite=self.options.nonfinite
+        )
         y_pred = self(x, training=False)
         values = tf.cast(self._per_example_loss(y, y_pred), tf.float32)
-        b = tf.shape(values)[0]
-        mask = tf.ones([b]) if mask is None else tf.cast(tf.reshape(mask, [-1]), tf.float32)
-        weights = mask
-        if sample_weight is not None:
-            weights = weights * tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
         num = tf.reduce_sum(mask)
         mean = tf.reduce_sum(tf.where(mask > 0, values * weights, 0.0)) / tf.maximum(num, 1.0)
         regularization = losses.regularization(self.model, x, training=False)

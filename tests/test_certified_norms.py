@@ -614,7 +614,10 @@ def test_nonfinite_loss_raises_before_any_update():
     )
     before = [v.numpy() for v in model.trainable_variables]
     step = tf.function(lambda: dpcore.dp_train_step(model, _log_loss, x, y, optimizer=opt))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="although its inputs are finite"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"NaN/Inf \(row 0 of the batch\) although its inputs are finite",
+    ):
         step()
     for v, b in zip(model.trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)

@@ -1,4 +1,4 @@
-"""Errors a person can read: privacy arguments, and the σ = 0 warning."""
+"""Errors a person can read: non-finite data, privacy arguments, and the σ = 0 warning."""
 
 from __future__ import annotations
 
@@ -9,16 +9,130 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from dpcore import DPConfig, DPOptimizer, make_private
+from dpcore import DPConfig, DPOptimizer, ExecutionOptions, dp_train_step, make_private
 from dpcore_accounting import calibration
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+ROWS = 12
 NOT_PRIVATE = "ignore:noise_multiplier=0:UserWarning"
 
 
-def _model():
-    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(ROWS, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(ROWS,))
+    return x, y
+
+
+def _model(inputs=None):
+    if inputs is None:
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    joined = keras.layers.Concatenate()(list(inputs.values()))
+    return keras.Model(inputs, keras.layers.Dense(3)(joined))
+
+
+def _private(model, **kw):
+    # Every row in every step (q = 1), so the bad rows are seen whichever way fit batches.
+    return make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=LOSS,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=ROWS,
+        seed=0,
+        **kw,
+    )
+
+
+def _one_line(error, pattern):
+    text = str(error.value)
+    assert "\n" not in text, text
+    assert text.startswith("dpcore: "), text
+    assert pattern in text, text
+
+
+def test_nan_in_x_is_one_line_naming_x_and_the_row_in_fit_evaluate_and_dp_train_step():
+    """A NaN at row 3 of x (and another at row 7): fit and evaluate on arrays name x and the
+    data's row 3 in a one-line ValueError (TensorFlow's graph error as its cause); dp_train_step
+    eagerly raises the one-line sentence itself, and inside a tf.function TensorFlow's error
+    ends with it. No weight changes."""
+    x, y = _data()
+    x[3, 2] = np.nan
+    x[7, 0] = np.inf
+    dp = _private(_model())
+    before = [v.numpy() for v in dp.trainable_variables]
+    with pytest.raises(ValueError) as fit_error:
+        dp.fit(x, y, batch_size=ROWS, epochs=1, verbose=0)
+    _one_line(fit_error, "NaN or Inf in x at row 3 of the data given to fit")
+    assert isinstance(fit_error.value.__cause__, tf.errors.InvalidArgumentError)
+    assert "nonfinite='skip'" in str(fit_error.value)
+    with pytest.raises(ValueError) as evaluate_error:
+        dp.evaluate(x, y, batch_size=5, verbose=0)
+    _one_line(evaluate_error, "NaN or Inf in x at row 3 of the data given to evaluate")
+    assert int(dp.optimizer.dp_steps) == 0
+    for b, v in zip(before, dp.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy())
+    with pytest.raises(ValueError) as validation_error:
+        dp.fit(np.nan_to_num(x), y, batch_size=ROWS, validation_data=(x, y), verbose=0)
+    _one_line(validation_error, "NaN or Inf in x at row 3 of validation_data")
+
+    model = _model()
+    start = [v.numpy() for v in model.trainable_variables]
+    opt = DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4
+    )
+    opt.build(model.trainable_variables)
+    with pytest.raises(tf.errors.InvalidArgumentError) as eager_error:
+        dp_train_step(model, LOSS, x, y, optimizer=opt)
+    _one_line(eager_error, "NaN or Inf in x at row 3 of the batch")
+    step = tf.function(lambda x, y: dp_train_step(model, LOSS, x, y, optimizer=opt))
+    with pytest.raises(tf.errors.InvalidArgumentError) as graph_error:
+        step(x[2:], y[2:])
+    assert "assertion failed: [dpcore: NaN or Inf in x at row 1 of the batch:" in str(
+        graph_error.value
+    )
+    assert int(opt.dp_steps) == 0
+    for b, v in zip(start, model.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy())
+
+
+@pytest.mark.parametrize("field", ["x['b']", "y", "sample_weight"])
+def test_the_error_names_the_dict_key_labels_or_sample_weight(field):
+    x, y = _data(1)
+    inputs = {k: keras.Input((5,), name=k) for k in ("a", "b")}
+    xs = {"a": x, "b": x.copy()}
+    weights = np.ones(ROWS, "float32")
+    if field == "x['b']":
+        xs["b"][5, 1] = -np.inf
+    elif field == "y":
+        y = y.astype("float32")  # a float label can be NaN (the loss takes float labels)
+        y[5] = np.nan
+    else:
+        weights[5] = np.nan
+    dp = _private(_model(inputs))
+    with pytest.raises(ValueError) as error:
+        dp.fit(xs, y, sample_weight=weights, batch_size=ROWS, verbose=0)
+    _one_line(error, f"NaN or Inf in {field} at row 5 of the data given to fit")
+    # From a dataset the row in the data is unknown: the batch's row is named.
+    data = tf.data.Dataset.from_tensor_slices((xs, y, weights)).batch(4)
+    with pytest.raises(ValueError) as from_dataset:
+        dp.evaluate(data, verbose=0)
+    _one_line(from_dataset, f"NaN or Inf in {field} at row 1 of a batch")
+
+
+def test_evaluate_skips_nonfinite_rows_under_skip_as_training_does():
+    x, y = _data(2)
+    bad = x.copy()
+    bad[4] = np.nan
+    dp = _private(_model(), options=ExecutionOptions(nonfinite="skip"))
+    got = dp.evaluate(bad, y, batch_size=ROWS, verbose=0, return_dict=True)["loss"]
+    keep = np.arange(ROWS) != 4
+    want = dp.evaluate(x[keep], y[keep], batch_size=ROWS, verbose=0, return_dict=True)["loss"]
+    assert np.isfinite(got)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 # ------------------------------------------------------------------------ privacy arguments

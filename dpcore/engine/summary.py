@@ -13,10 +13,14 @@ while predictions and input gradients stay per row. :func:`to_units`, :func:`uni
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import re
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 from dpcore import norms
@@ -182,6 +186,129 @@ def _zero_rows(t: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.reshape(keep, shape), t, tf.zeros_like(t))
 
 
+# The one-line error of a batch with NaN or Inf in a real row, as the step raises it (also the
+# assertion message inside a compiled step, where TensorFlow escapes quotes: hence none here).
+# :func:`readable_error` reads the field and the row back from it.
+NONFINITE_INPUT = (
+    "dpcore: NaN or Inf in {field} at row {row} of the batch: fix or remove that example, or "
+    "pass ExecutionOptions with nonfinite set to skip to drop such examples"
+)
+_NONFINITE_INPUT_RE = re.compile(
+    r"dpcore: NaN or Inf in (?P<field>.+?) at row (?P<row>\d+) of the batch"
+)
+
+
+def field_names(structure: Any, name: str) -> list[str]:
+    """The name of each leaf of ``structure`` in ``tf.nest.flatten`` order, for errors: ``name``
+    itself for a tensor, ``name[key]`` / ``name[0]`` for the leaves of dicts and sequences."""
+    return [
+        name + "".join(f"[{key}]" for key in path)
+        for path, _ in keras.tree.flatten_with_path(structure)
+    ]
+
+
+def _check_rows(
+    bad: tf.Tensor, fields: Sequence[str], template: str, value: tf.Tensor
+) -> tf.Tensor:
+    """``value``, once no row is bad; else the step fails with ``template`` formatted with the
+    first field (in ``fields`` order) that has a bad row and that field's first bad row.
+
+    ``bad`` is ``[len(fields), B]`` bool. Eagerly the error is raised at once; in a graph an
+    assertion that every later op depends on fails the step, its message formatted only then.
+    """
+    if tf.executing_eagerly():
+        flags = bad.numpy()
+        if flags.any():
+            field = int(flags.any(axis=1).argmax())
+            row = int(flags[field].argmax())
+            message = template.format(field=fields[field], row=row)
+            raise tf.errors.InvalidArgumentError(None, None, message)
+        return value
+
+    def fail() -> tf.Tensor:
+        field = tf.argmax(tf.cast(tf.reduce_any(bad, 1), tf.int32), output_type=tf.int32)
+        row = tf.argmax(tf.cast(tf.gather(bad, field), tf.int32), output_type=tf.int32)
+        values = {
+            "{field}": lambda: tf.gather(tf.constant(list(fields)), field),
+            "{row}": lambda: tf.strings.as_string(row),
+        }
+        pieces = re.split(r"(\{field\}|\{row\})", template)
+        message = tf.strings.join([values[p]() if p in values else p for p in pieces if p])
+        check = tf.debugging.Assert(False, [message])
+        with tf.control_dependencies([check]):
+            return tf.identity(value)
+
+    return tf.cond(tf.reduce_any(bad), fail, lambda: tf.identity(value))
+
+
+def readable_error(error: Exception, call: str, arguments: dict[str, Any]) -> ValueError | None:
+    """The one-line ``ValueError`` for a step that a dpcore check failed, else None.
+
+    ``error`` is what ``fit``/``evaluate`` raised (a ``tf.errors.InvalidArgumentError`` whose
+    message carries a dpcore assertion, e.g. TensorFlow's multi-line graph error); ``arguments``
+    are that call's arguments by name. For NaN or Inf in a batch, the row is looked up in the
+    arrays given to ``call`` (``x``, ``y``, ``sample_weight``, then ``validation_data``) and named
+    as a row of that data; for a dataset it stays the row of the batch.
+
+    Privacy:
+      The message names a row of the training data and the field that is not finite: an output
+      of the data for the operator who runs the training, not part of the released model (no
+      privacy guarantee covers it, as none covers the logged loss).
+    """
+    message = getattr(error, "message", str(error))
+    found = re.search(r"assertion failed: \[(dpcore: [^\n]*)\]", message)
+    if found is not None:  # a graph's assertion: TensorFlow escaped its text
+        sentence = codecs.escape_decode(found.group(1).encode())[0].decode("utf-8", "replace")
+    elif message.startswith("dpcore: "):  # raised eagerly
+        sentence = message.splitlines()[0]
+    else:
+        return None
+    nonfinite = _NONFINITE_INPUT_RE.search(sentence)
+    if nonfinite is None:
+        return ValueError(sentence)
+    field, row = nonfinite.group("field"), int(nonfinite.group("row"))
+    validation = arguments.get("validation_data")
+    sources = [(f"the data given to {call}", arguments)]
+    if isinstance(validation, (tuple, list)):
+        sources.append(("validation_data", dict(zip(("x", "y", "sample_weight"), validation))))
+    for source, given in sources:
+        located = _locate(field, given)
+        if located is not None:
+            field, where = located[0], f"row {located[1]} of {source}"
+            break
+    else:  # keys as Python writes them (the assertion's text has no quotes)
+        field = re.sub(r"\[([^\]\d][^\]]*)\]", lambda key: f"[{key.group(1)!r}]", field)
+        where = f"row {row} of a batch"
+    return ValueError(
+        f"dpcore: NaN or Inf in {field} at {where}: fix or remove that example, or pass "
+        "options=dpcore.ExecutionOptions(nonfinite='skip') (to make_private or DPModel) to drop "
+        "such examples."
+    )
+
+
+def _locate(field: str, given: dict[str, Any]) -> tuple[str, int] | None:
+    """``(field as Python writes it, first row with NaN or Inf)`` in the arrays ``given`` by
+    name, for the leaf that :func:`field_names` calls ``field``; None where it is not found there
+    or has no such row (a dataset, or a value that overflowed only when cast)."""
+    for name in ("x", "y", "sample_weight"):
+        if given.get(name) is None or not field.startswith(name):
+            continue
+        for path, leaf in keras.tree.flatten_with_path(given[name]):
+            if name + "".join(f"[{key}]" for key in path) != field:
+                continue
+            try:
+                values = np.asarray(leaf)
+            except Exception:  # not an array (a dataset, a generator)
+                return None
+            if values.ndim == 0 or values.dtype.kind not in "fc":
+                return None
+            bad = ~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1)
+            if not bad.any():
+                return None
+            return name + "".join(f"[{key!r}]" for key in path), int(bad.argmax())
+    return None
+
+
 def prepare_batch(
     x: Any,
     y: Any,
@@ -197,16 +324,21 @@ def prepare_batch(
       y: labels with the same leading batch axis.
       sample_weight: optional ``[B]`` weights (default 1).
       mask: optional ``[B]`` booleans or 0/1 floats; False/0 marks a padding example.
-      nonfinite: ``"raise"`` fails the step on NaN/Inf in ``x``, ``y`` or ``sample_weight``;
-        ``"skip"`` masks such examples out (their inputs and weights are zeroed so nothing
-        non-finite reaches the weights).
+      nonfinite: ``"raise"`` fails the step on NaN/Inf in a real row of ``x``, ``y`` or
+        ``sample_weight`` (:data:`NONFINITE_INPUT`: one line naming the field, e.g. ``x[image]``
+        for a dict input, and the first such row of the batch; raised at once when eager, else
+        by an assertion that every later op, and so every update, depends on); ``"skip"`` masks
+        such examples out (their inputs and weights are zeroed so nothing non-finite reaches the
+        weights).
 
     Returns:
       The batch with float32 ``sample_weight`` and ``mask`` of shape ``[B]``.
 
     Privacy:
       Skipping is decided per example from that example's own values, so it does not change the
-      sensitivity of the clipped sum.
+      sensitivity of the clipped sum. The error of ``"raise"`` names a field and a row of the
+      (sensitive) batch: a data-dependent output to the operator running the step, like the
+      logged loss, not part of the released model, and no privacy guarantee covers it.
     """
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite={nonfinite!r}; expected one of {NONFINITE_MODES}.")
@@ -225,22 +357,21 @@ def prepare_batch(
         if sample_weight is None
         else tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
     )
+    fields = [*field_names(x, "x"), *field_names(y, "y"), "sample_weight"]
     leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
-    finite = tf.reduce_all(tf.stack([_all_finite_rows(t) for t in leaves], 0), 0)
-    finite = finite & tf.math.is_finite(sample_weight)
+    finite_by_field = tf.stack(
+        [*(_all_finite_rows(t) for t in leaves), tf.math.is_finite(sample_weight)], 0
+    )
     if nonfinite == "raise":
-        check = tf.debugging.Assert(
-            tf.reduce_all(finite | (mask <= 0)),
-            [
-                "dpcore: NaN or Inf in the batch inputs, labels or sample weights; pass "
-                "ExecutionOptions(nonfinite='skip') to drop such examples instead"
-            ],
-        )
         # Everything downstream (and so every weight update) depends on the check having passed.
-        with tf.control_dependencies([check]):
-            mask = tf.identity(mask)
+        mask = _check_rows(
+            tf.logical_not(finite_by_field) & (mask > 0)[None, :],
+            fields,
+            NONFINITE_INPUT,
+            mask,
+        )
     else:
-        mask = mask * tf.cast(finite, tf.float32)
+        mask = mask * tf.cast(tf.reduce_all(finite_by_field, 0), tf.float32)
     # Padded and skipped rows are zeroed so that their (zero-weighted) gradients stay finite.
     return drop_rows(x, y, sample_weight, mask, mask > 0)
 
@@ -365,17 +496,16 @@ def drop_nonfinite(
     ok = tf.math.is_finite(tf.cast(loss, tf.float32)) & tf.reduce_all(tf.math.is_finite(sq), 1)
     real = summary.mask > 0
     if nonfinite == "raise":
-        check = tf.debugging.Assert(
-            tf.reduce_all(ok | tf.logical_not(real)),
-            [
-                "dpcore: the loss or the gradient of an example is NaN/Inf although its inputs "
-                "are finite (e.g. log(0) in the loss, or activations that overflow float32); "
-                "the step was not applied. Make the loss finite, or pass ExecutionOptions(nonfinite='skip') to "
-                "drop such examples"
-            ],
+        where = "row {row}" if group_size == 1 else "privacy unit {row}"
+        ok = _check_rows(
+            (tf.logical_not(ok) & real)[None, :],
+            ["loss"],
+            f"dpcore: the loss or the gradient of an example is NaN/Inf ({where} of the batch) "
+            "although its inputs are finite (e.g. log(0) in the loss, or activations that "
+            "overflow float32); the step was not applied. Make the loss finite, or pass "
+            "ExecutionOptions with nonfinite set to skip to drop such examples",
+            ok,
         )
-        with tf.control_dependencies([check]):
-            ok = tf.identity(ok)
     any_bad = tf.logical_not(tf.reduce_all(ok))
     keep = ok[:, None]
     kept_sq = tf.where(keep, sq, tf.zeros_like(sq))  # the returned norms: dropped rows are 0
