@@ -45,6 +45,7 @@ import dataclasses
 import math
 import numbers
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -90,6 +91,15 @@ def _normalize_seed(seed: int | Sequence[int] | None) -> list[int] | None:
     if len(seed) != 2:
         raise ValueError(f"seed must be an int or a pair of ints, got {seed!r}.")
     return seed
+
+
+def _caller_stacklevel() -> int:
+    """The ``warnings.warn`` stack level of the first caller outside dpcore (the user's line)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _slot_name(variable: Any, suffix: str) -> str:
@@ -460,7 +470,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "NOT differentially private (epsilon = inf). Use noise_multiplier > 0 for a "
                 "private run (DPConfig.calibrated finds one for a target epsilon).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
 
     # ----------------------------------------------------------------------------- state

@@ -21,6 +21,10 @@ from dpcore.model import make_private
 from dpcore.optimizer import DPOptimizer
 from dpcore.testing import reference_per_example_gradients
 
+# Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
+# warning that such a run is not private is expected in this module.
+pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
+
 METHODS = ["fast", "vectorized"]
 
 
