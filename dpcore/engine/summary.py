@@ -215,6 +215,7 @@ def _check_rows(
 
     ``bad`` is ``[len(fields), B]`` bool. Eagerly the error is raised at once; in a graph an
     assertion that every later op depends on fails the step, its message formatted only then.
+    Traced for XLA, which drops assertions, nothing is checked.
     """
     if tf.executing_eagerly():
         flags = bad.numpy()
@@ -223,6 +224,13 @@ def _check_rows(
             row = int(flags[field].argmax())
             message = template.format(field=fields[field], row=row)
             raise tf.errors.InvalidArgumentError(None, None, message)
+        return value
+
+    from dpcore.rules.base import tracing_for_xla  # at trace time: rules import the engine
+
+    if tracing_for_xla():
+        # XLA drops assertions (the public entry points refuse it, see
+        # dpcore.validation.check_not_compiled_by_xla) and compiles no string ops.
         return value
 
     def fail() -> tf.Tensor:
