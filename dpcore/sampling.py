@@ -67,6 +67,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from dpcore_accounting import events
+
 
 class SampledBatch(NamedTuple):
     """One element of a sampler's dataset: a padded, masked chunk of one logical step.
@@ -643,14 +645,10 @@ def _chunks_for(count: tf.Tensor, p: tf.Tensor) -> tf.Tensor:
 
 
 def _check_poisson_args(sampling_prob: float, steps: int, start_step: int) -> float:
-    """Validates the Poisson sampler's arguments; returns q as a float."""
-    q = float(sampling_prob)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"sampling_prob must be in (0, 1], got {sampling_prob}.")
-    if int(steps) < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}.")
-    if int(start_step) < 0:
-        raise ValueError(f"start_step must be >= 0, got {start_step}.")
+    """Validates the Poisson sampler's arguments (each error names its argument); returns q."""
+    q = events.check_sampling_prob(sampling_prob)
+    events.check_number(steps, "steps", low=0, integer=True)
+    events.check_number(start_step, "start_step", low=0, integer=True)
     return q
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dpcore import DPConfig, DPOptimizer, ExecutionOptions, dp_train_step, make_private
+from dpcore import DPConfig, DPOptimizer, ExecutionOptions, dp_train_step, make_private, sampling
 from dpcore_accounting import calibration
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -171,6 +171,10 @@ ENTRIES = {
     "calibrate_noise_multiplier": (
         ["target_epsilon", "target_delta", "sampling_prob", "steps"],
         lambda kw: calibration.calibrate_noise_multiplier(**kw),
+    ),
+    "poisson_batches": (
+        ["sampling_prob", "steps"],
+        lambda kw: sampling.poisson_batches(np.zeros((10, 2), "float32"), np.zeros(10), **kw),
     ),
     "calibrate_steps": (
         ["target_epsilon", "target_delta", "noise_multiplier", "sampling_prob", "num_examples"],
