@@ -1,4 +1,5 @@
-"""The README's example runs as written and keeps its privacy promise."""
+"""The README: two set-up commands, a quick start that runs as written and prints the ε spent,
+and nothing outside the repository."""
 
 import pathlib
 import re
@@ -17,14 +18,24 @@ def test_readme_has_exactly_two_setup_commands():
     assert "\nmake test\n" in ci
 
 
+def test_readme_is_one_screen_and_names_nothing_outside_the_repository():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 80
+    # Absolute paths (a system folder, another machine's checkout) are outside the repository.
+    assert not re.search(r"(?<![\w./-])/(usr|etc|home|tmp|work|opt|root|var|mnt)\b", text)
+    assert "import dpcore` before `keras.models.load_model" in " ".join(text.split())
+
+
 @pytest.mark.slow
 def test_readme_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)
-    config, dp_model = namespace["config"], namespace["dp_model"]
-    assert config.epsilon() <= 3.0
-    # The run recorded exactly the logical steps the config accounts for.
+    config, dp_model, history = namespace["config"], namespace["dp_model"], namespace["history"]
+    # The run recorded exactly the logical steps the config plans, and spent what it planned.
     assert int(dp_model.optimizer.dp_steps.numpy()) == config.steps
+    spent = history.history["epsilon"][-1]
+    assert spent == pytest.approx(config.planned_epsilon(), rel=1e-6) and spent <= 3.0
     out = capsys.readouterr().out
-    assert "accuracy" in out
+    assert f"epsilon spent: {spent:.3f} at delta = 1e-05" in out
+    assert "test accuracy:" in out

@@ -78,7 +78,7 @@ def outside_loop():
 
 
 def custom_loop(strategy):
-    """The README's custom loop: strategy.run(dp_train_step) over distribute_sampled."""
+    """The custom loop of docs/workers.md: strategy.run(dp_train_step) over distribute_sampled."""
     with strategy.scope():
         model = _dense()
         opt = _optimizer(4.0)
