@@ -127,7 +127,7 @@ def _steps_of(dataset) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     return steps
 
 
-@_settings(max_examples=8)
+@_settings(max_examples=6)
 @given(
     n=st.integers(4, 30),
     workers=st.integers(1, 4),
