@@ -40,6 +40,7 @@ import tensorflow as tf
 
 PerExampleLoss = Callable[[Any, Any], tf.Tensor]
 _PER_EXAMPLE = "_dpcore_per_example_loss"  # marks what per_example_loss_fn returns
+_PER_OUTPUT = "_dpcore_per_output_losses"  # each output's losses, on a loss of several outputs
 
 
 def _unreduced_copy(loss: keras.losses.Loss) -> keras.losses.Loss:
@@ -265,28 +266,67 @@ def _structured_loss_fn(
                 f"loss={loss!r} nests losses more than one level deep; give one loss per output."
             )
 
-    def fn(y_true: Any, y_pred: Any) -> tf.Tensor:
+    def parts(y_true: Any, y_pred: Any) -> list[tuple[Any, tf.Tensor, Any]]:
+        """``(output key, its unweighted per-example loss, its weight)`` per output with a loss."""
         per_loss = _per_output(loss, y_pred, names, "loss", None)
         weights = _per_output(loss_weights, y_pred, names, "loss_weights", 1.0)
         labels = _labels(y_true, y_pred, names)
-        total = None
+        out = []
         for key, value in per_loss.items():
             if value is None:
                 continue
             if labels[key] is None:
                 raise ValueError(f"no labels for output {key!r}, which has a loss.")
             pred = y_pred if key is None else y_pred[key]
-            values = tf.cast(leaf_fn(value)(labels[key], pred), tf.float32)
-            weight = weights[key]
+            out.append((key, tf.cast(leaf_fn(value)(labels[key], pred), tf.float32), weights[key]))
+        if not out:
+            raise ValueError(f"loss={loss!r} gives no output a loss.")
+        return out
+
+    def fn(y_true: Any, y_pred: Any) -> tf.Tensor:
+        total = None
+        for _, values, weight in parts(y_true, y_pred):
             if weight is not None and not (isinstance(weight, (int, float)) and weight == 1):
                 values = values * tf.cast(weight, tf.float32)
             total = values if total is None else total + values
-        if total is None:
-            raise ValueError(f"loss={loss!r} gives no output a loss.")
         return total
 
+    def by_name(y_true: Any, y_pred: Any) -> dict[str, tf.Tensor]:
+        found = {}
+        for key, values, _ in parts(y_true, y_pred):
+            name = key if isinstance(key, str) else None
+            if isinstance(key, int) and names is not None and len(names) == len(y_pred):
+                name = names[key]
+            if name is not None:
+                found[name] = values
+        return found
+
     setattr(fn, _PER_EXAMPLE, True)
+    setattr(fn, _PER_OUTPUT, by_name)
     return fn
+
+
+def output_loss_names(loss: Any, output_names: Sequence[str] | None) -> list[str]:
+    """The outputs that a dict or list of losses gives a loss, by the names Keras logs them under
+    (``"<name>_loss"``): the dict's keys, or the output names of a list's entries; empty for one
+    loss (Keras logs no output's loss apart then)."""
+    if isinstance(loss, dict):
+        return [str(k) for k, v in loss.items() if v is not None]
+    if isinstance(loss, (list, tuple)) and output_names is not None:
+        if len(loss) == len(output_names) > 1:
+            return [n for n, v in zip(output_names, loss) if v is not None]
+    return []
+
+
+def per_output_losses(loss_fn: Any, y_true: Any, y_pred: Any) -> dict[str, tf.Tensor]:
+    """Each named output's unweighted per-example loss (``[B]``) under ``loss_fn``, a
+    :func:`per_example_loss_fn` of several losses; empty for any other loss.
+
+    Privacy:
+      Computed from the raw batch: not private.
+    """
+    by_name = getattr(loss_fn, _PER_OUTPUT, None)
+    return {} if by_name is None else dict(by_name(y_true, y_pred))
 
 
 def output_mask(y_pred: Any) -> tf.Tensor | None:
@@ -543,3 +583,36 @@ def _added_loss_inputs(model: Any, x: Any, training: bool, variables: Sequence[A
             "function of the weights only."
         )
     return a
+
+
+def one_sample_weight(sample_weight: Any) -> Any:
+    """``sample_weight`` as one ``[B]`` weight per example (None stays None).
+
+    Keras's data adapters copy one ``sample_weight`` array to every output of a model with
+    several outputs (a list or dict of equal arrays); dpcore weights each example's whole loss
+    once, so the copies must agree: the step fails when they do not (per-output weights are not
+    supported; put them into the loss).
+    """
+    if sample_weight is None or not isinstance(sample_weight, (dict, list, tuple)):
+        return sample_weight
+    leaves = [t for t in tf.nest.flatten(sample_weight) if t is not None]
+    if not leaves:
+        return None
+    first = tf.reshape(tf.cast(leaves[0], tf.float32), [-1])
+    if len(leaves) == 1:
+        return first
+    same = tf.reduce_all(
+        [
+            tf.reduce_all(tf.equal(first, tf.reshape(tf.cast(t, tf.float32), [-1])))
+            for t in leaves[1:]
+        ]
+    )
+    check = tf.debugging.Assert(
+        same,
+        [
+            "dpcore: the sample weights of the outputs differ; dpcore weights the loss of each "
+            "example once. Give one sample_weight per example, or weight the outputs in the loss"
+        ],
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(first)

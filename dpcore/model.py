@@ -9,7 +9,9 @@ Contract:
   ``(x, y, mask, step_end)``. Padding rows (mask 0) contribute nothing to the update, the loss or
   any metric; an all-padding batch is a valid step (noise only).
 - The ``loss`` log is the mean per-example loss of the real examples (weighted by their count
-  across batches); compiled metrics see only real rows.
+  across batches) plus the model's data-independent loss terms (weight regularizers), and a
+  dict or list of losses adds each output's ``<name>_loss``, as Keras logs them; compiled
+  metrics see only real rows.
 - Layers that mix examples (trainable BatchNormalization, stateful RNNs) are refused when the
   model is wrapped and again when the step is traced (see :mod:`dpcore.validation`).
 - :func:`make_private` builds the :class:`DPOptimizer` when needed and compiles the wrapper.
@@ -332,6 +334,7 @@ class DPModel(keras.Model):
         self._whole_steps = False  # a train-function call runs whole logical steps
         self._per_example_loss: PerExampleLoss | None = None
         self._keras_loss_trackers = {"loss"}
+        self._output_loss_trackers: list[Any] = []
         if model.built:  # the wrapper owns no variables of its own
             self.built = True
 
@@ -839,7 +842,15 @@ class DPModel(keras.Model):
             loss, loss_weights=loss_weights, output_names=names
         )
         keys = [*(names or []), *(loss if isinstance(loss, dict) else [])]
-        self._keras_loss_trackers = {"loss", *(f"{k}_loss" for k in keys)}
+        # Each named output's loss in the logs, as Keras logs it ("<name>_loss").
+        self._output_loss_trackers = [
+            keras.metrics.Mean(name=f"{n}_loss") for n in losses.output_loss_names(loss, names)
+        ]
+        self._keras_loss_trackers = {
+            *self._keras_loss_trackers,
+            *(f"{k}_loss" for k in keys),
+            *(m.name for m in self._output_loss_trackers),
+        }
         self.__dict__.pop("_dpcore_worker_functions", None)  # traced for the previous compile
         kwargs["auto_scale_loss"] = False
         kwargs.setdefault("jit_compile", False)
@@ -864,7 +875,7 @@ class DPModel(keras.Model):
 
     @property
     def metrics(self) -> list[Any]:
-        own = [self.loss_tracker]
+        own = [self.loss_tracker, *self._output_loss_trackers]
         if self.skipped_tracker is not None:
             own.append(self.skipped_tracker)
         rest = [
@@ -911,6 +922,16 @@ class DPModel(keras.Model):
             if sample_weight is None
             else tf.boolean_mask(tf.reshape(tf.cast(sample_weight, tf.float32), [-1]), keep)
         )
+        if self._output_loss_trackers:
+            parts = losses.per_output_losses(self._per_example_loss, y, y_pred)
+            weights = tf.cast(mask, tf.float32)
+            if sample_weight is not None:
+                weights = weights * tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+            num = tf.reduce_sum(tf.cast(keep, tf.float32))
+            for tracker in self._output_loss_trackers:
+                values = parts[tracker.name[: -len("_loss")]]
+                total = tf.reduce_sum(tf.where(keep, values * weights, 0.0))
+                tracker.update_state(total / tf.maximum(num, 1.0), sample_weight=num)
         return self.compute_metrics(x, _rows(y, keep), _rows(y_pred, keep), sample_weight=sw)
 
     def train_step(self, data: Any) -> dict[str, Any]:
@@ -923,6 +944,7 @@ class DPModel(keras.Model):
         """
         self._check_ready()
         x, y, sample_weight, mask, step_end = _unpack(data)
+        sample_weight = losses.one_sample_weight(sample_weight)
         x, y, sample_weight, mask = self._views(x, y, sample_weight, mask)
         result = dp_step(
             self.model,
@@ -973,6 +995,9 @@ class DPModel(keras.Model):
     def test_step(self, data: Any) -> dict[str, Any]:
         """Evaluation on a batch: loss and metrics over the real rows.
 
+        The loss is the mean per-example loss of the real rows plus ``model.losses`` of the call
+        (regularizers and ``add_loss`` terms, those of the batch included), as Keras evaluates.
+
         Privacy:
           No clipping or noise: the loss and metrics are exact statistics of the batch (padding
           rows excluded), so they are not private for its examples, and on training examples they
@@ -981,6 +1006,7 @@ class DPModel(keras.Model):
         if self._per_example_loss is None:
             raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
         x, y, sample_weight, mask, _ = _unpack(data)
+        sample_weight = losses.one_sample_weight(sample_weight)
         # Non-finite rows fail (or are skipped) as in training; weights are 0 where mask is.
         x, y, weights, mask = prepare_batch(
             x, y, sample_weight, mask, nonfinite=self.options.nonfinite
@@ -989,9 +1015,9 @@ class DPModel(keras.Model):
         values = tf.cast(self._per_example_loss(y, y_pred), tf.float32)
         num = tf.reduce_sum(mask)
         mean = tf.reduce_sum(tf.where(mask > 0, values * weights, 0.0)) / tf.maximum(num, 1.0)
-        regularization = losses.regularization(self.model, x, training=False)
-        if regularization is not None:  # as Keras's evaluate adds it
-            mean += regularization.value()
+        # Keras's evaluate adds model.losses of this call: regularizers, add_loss terms.
+        for term in self.model.losses:
+            mean += tf.cast(tf.reduce_sum(term), tf.float32)
         self.loss_tracker.update_state(mean, sample_weight=num)
         return self._metric_results(x, y, y_pred, sample_weight, mask)
 

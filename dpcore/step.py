@@ -117,6 +117,7 @@ def dp_step(
                 step_end = tf.identity(tf.reduce_any(end))
     variables = list(model.trainable_variables)
     options = resolve(options)
+    sample_weight = losses.one_sample_weight(sample_weight)  # Keras copies it to every output
     # Refuses data-dependent terms (activity regularizers, add_loss of the batch) before anything.
     regularization = losses.regularization(model, x, training=options.training)
     # Data-independent: drawn first, so that it overlaps the forward and backward passes.
@@ -194,7 +195,8 @@ def dp_train_step(
       x: inputs with a leading batch axis.
       y: labels.
       optimizer: the :class:`~dpcore.DPOptimizer` (privacy parameters and DP state).
-      sample_weight: optional ``[B]`` loss weights.
+      sample_weight: optional ``[B]`` loss weights (for several outputs, also Keras's copies of
+        one array per output, which must agree: the step fails otherwise).
       mask: optional ``[B]`` 0/1; 0 marks padding (the sampler's mask). An all-masked or empty
         batch is a valid step: noise only.
       step_end: optional bool: True on the last chunk of a logical step (the sampler's flag),

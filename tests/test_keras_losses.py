@@ -178,10 +178,15 @@ def test_sigma0_update_equals_plain_keras_with_regularizers_and_weighted_outputs
     # outputs' losses, the kernel and bias regularizers and the weights' add_loss term all count.
     # The run must take the requested path whole (no fallback warning from the mixing probe).
     x, y = two_output_batch(rng)
+    sample_weight = rng.uniform(0.5, 2.0, 8).astype("float32")
+    # Keras copies one sample_weight array to every output; list outputs take list labels.
+    labels = y if as_dict else [y["a"], y["b"]]
     plain = two_outputs(as_dict=as_dict)
     plain.compile(keras.optimizers.SGD(0.1), loss=LOSSES, loss_weights=LOSS_WEIGHTS)
     before = _weights(plain)
-    h_plain = plain.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    h_plain = plain.fit(
+        x, labels, sample_weight=sample_weight, batch_size=8, shuffle=False, verbose=0
+    ).history
 
     model = two_outputs(as_dict=as_dict)
     dp = make_private(
@@ -196,12 +201,16 @@ def test_sigma0_update_equals_plain_keras_with_regularizers_and_weighted_outputs
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        h_dp = dp.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+        h_dp = dp.fit(
+            x, labels, sample_weight=sample_weight, batch_size=8, shuffle=False, verbose=0
+        ).history
     for got, want, start in zip(_weights(model), _weights(plain), before):
         assert np.abs(want - start).max() > 1e-3  # the step moved every variable
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    np.testing.assert_allclose(h_dp["loss"], h_plain["loss"], rtol=1e-6)
-    assert set(h_dp) == {"loss"}  # no per-output trackers that Keras's compiled loss never fed
+    # The total and each output's loss ("a_loss", "b_loss") as Keras logs them.
+    assert set(h_dp) == set(h_plain) == {"loss", "a_loss", "b_loss"}
+    for key in h_plain:
+        np.testing.assert_allclose(h_dp[key], h_plain[key], rtol=1e-6)
 
     # The same step in a custom loop.
     custom = two_outputs(as_dict=as_dict)
@@ -221,6 +230,7 @@ def test_sigma0_update_equals_plain_keras_with_regularizers_and_weighted_outputs
             x,
             y,
             optimizer=optimizer,
+            sample_weight=sample_weight,
             options=dpcore.ExecutionOptions(method=method),
         )
 
@@ -417,11 +427,73 @@ def test_several_outputs_fit_on_sampler_batches_and_evaluate_as_keras(rng):
     )
     batches = dpcore.sampling.poisson_batches(x, y, sampling_prob=0.5, steps=3)
     history = dp.fit(batches, verbose=0).history
-    assert set(history) == {"loss", "a_accuracy"}
+    assert set(history) == {"loss", "a_loss", "b_loss", "a_accuracy"}
     plain = two_outputs(as_dict=False)
     plain.compile(loss=LOSSES, loss_weights=LOSS_WEIGHTS, metrics={"a": ["accuracy"]})
     plain.set_weights(model.get_weights())
     want = plain.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     got = dp.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
-    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
-    np.testing.assert_allclose(got["a_accuracy"], want["a_accuracy"])
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
+def test_outputs_with_different_sample_weights_are_refused(rng):
+    x, y = two_output_batch(rng)
+    model = two_outputs(None, as_dict=True, regularized=False)
+    optimizer = DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=8
+    )
+    optimizer.build(model.trainable_variables)
+    before = _weights(model)
+    step = tf.function(
+        lambda sw: dpcore.dp_train_step(
+            model, per_example_loss_fn(LOSSES), x, y, optimizer=optimizer, sample_weight=sw
+        )
+    )
+    ones = np.ones(8, "float32")
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="sample weights of the outputs differ"
+    ):
+        step({"a": ones, "b": 2 * ones})
+    for got, want in zip(_weights(model), before):
+        np.testing.assert_array_equal(got, want)
+    step({"a": ones, "b": ones})  # Keras's copies of one array
+    assert int(optimizer.dp_steps) == 1
+
+
+def test_evaluate_adds_the_losses_keras_adds_even_those_training_refuses(rng):
+    # Evaluation is not private anyway: its loss is Keras's, activity and batch terms included.
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.integers(0, 3, 8).astype("int32")
+
+    def model():
+        init = keras.initializers.GlorotUniform(seed=0)
+        return keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(
+                    5,
+                    kernel_initializer=init,
+                    kernel_regularizer=keras.regularizers.L2(0.1),
+                    activity_regularizer=keras.regularizers.L1(0.05),
+                ),
+                BatchPenalty(),
+                keras.layers.Dense(3, kernel_initializer=init),
+            ]
+        )
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain = model()
+    plain.compile(loss=loss)
+    dp = make_private(
+        model(),
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=loss,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+    )
+    want = plain.evaluate(x, y, batch_size=8, verbose=0)
+    np.testing.assert_allclose(dp.evaluate(x, y, batch_size=8, verbose=0), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="activity_regularizer"):
+        dp.fit(x, y, batch_size=8, verbose=0)
