@@ -293,6 +293,20 @@ def test_a_backward_pass_that_cannot_be_verified_takes_the_vectorized_path():
     assert set(s.paths.values()) == {"vectorized"}
 
 
+def test_a_model_not_finite_on_some_synthetic_rows_keeps_the_fast_path():
+    """Ids all 0 mask every position of a ``mask_zero`` embedding, and the masked average is then
+    0/0 on every row: the backward check runs on synthetic rows whose losses are finite."""
+    ids = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(9, 4, mask_zero=True)(ids)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.GRU(3, return_sequences=True)(h))
+    model = keras.Model(ids, keras.layers.Dense(1)(h))
+    x = RNG.integers(1, 9, size=(4, 5)).astype("int32")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine.summarize(model, "mse", x, Y, options=ExecutionOptions(method="fast"))
+    assert [str(w.message) for w in record if "vectorized path" in str(w.message)] == []
+
+
 _LABEL_CASES = {
     "float sparse labels": (
         lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),

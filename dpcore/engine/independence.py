@@ -452,8 +452,17 @@ def _probe_at(
     groups: list[tuple[int, ...]] = (
         [(k,) for k in range(rows)] if rows <= _SINGLES else [(0,), tuple(range(1, rows))]
     )
+    # On the first base whose losses are all finite: ids all 0 may mask every position of a
+    # ``mask_zero`` embedding, and a masked average is then 0/0 on every row.
+    chosen = first_base
+    for fill in (0, 1):
+        xs = _synthetic(x, rows, np.random.default_rng(fill), fill=fill)
+        ys = _labels(y, rows, fill=fill)
+        if np.isfinite(losses(ys, forward(xs, lambda i: (), 1))).all():
+            chosen = (xs, ys)
+            break
     mixing, unverified = _backward_probe(
-        model, loss_fn, *first_base, rows, groups, training, variables, registry, rows_first, known
+        model, loss_fn, *chosen, rows, groups, training, variables, registry, rows_first, known
     )
     return (mixing + at if mixing else None), unverified
 
