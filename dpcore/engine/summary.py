@@ -244,9 +244,13 @@ def _check_rows(
         message = tf.strings.join([values[p]() if p in values else p for p in pieces if p])
         check = tf.debugging.Assert(False, [message])
         with tf.control_dependencies([check]):
-            return tf.identity(value)
+            return tf.constant(False)
 
-    return tf.cond(tf.reduce_any(bad), fail, lambda: tf.identity(value))
+    checked = tf.cond(tf.reduce_any(bad), fail, lambda: tf.constant(True))
+    # A control dependency, not a data one: a constant value (the all-ones mask of a batch
+    # without one) stays constant for the graph optimizer, as it was behind a plain assertion.
+    with tf.control_dependencies([checked]):
+        return tf.identity(value)
 
 
 def readable_error(error: Exception, call: str, arguments: dict[str, Any]) -> ValueError | None:
