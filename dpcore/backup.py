@@ -10,8 +10,8 @@ Contract:
   non-chief copies go to :func:`dpcore.distribute.worker_path`'s temporary folder.
 - The state records, after every logical step: the sampling seed, the steps applied
   (``applied_steps``), the steps the weights file holds (``checkpoint_steps``, a multiple of
-  ``save_every``, or the end of the run) and, when an :class:`~dpcore.callbacks.EpsilonCallback`
-  is attached, its ledger.
+  ``save_every``, or the end of the run), the model's own privacy ledger (the steps applied) and,
+  when an :class:`~dpcore.callbacks.EpsilonCallback` is attached, its ledger.
 - Resume rule: a restarted run restores the weights file and then sets the optimizer's
   ``dp_steps`` to ``applied_steps``. With ``save_every=1`` (the default) the two are equal and
   the run continues exactly: no step is lost or applied twice, the noise of step ``t`` is
@@ -178,6 +178,8 @@ class StepBackup(keras.callbacks.Callback):
                 stacklevel=2,
             )
             optimizer.dp_steps.assign(applied)
+        if self._state.get("model_ledger") is not None:  # every step applied, lost ones too
+            optimizer.privacy_ledger = PrivacyLedger.from_dict(self._state["model_ledger"])
         if self.epsilon is not None and self._state.get("ledger") is not None:
             self.epsilon.ledger = PrivacyLedger.from_dict(self._state["ledger"])
 
@@ -209,6 +211,7 @@ class StepBackup(keras.callbacks.Callback):
         else:
             previous = None
         if self._chief:
+            own = self._optimizer().privacy_ledger
             ledger = None
             if self.epsilon is not None:
                 self.epsilon.flush()
@@ -223,6 +226,7 @@ class StepBackup(keras.callbacks.Callback):
                     "checkpoint": self._checkpoint[0] if self._checkpoint else None,
                     "checkpoint_steps": self._checkpoint[1] if self._checkpoint else 0,
                     "ledger": ledger,
+                    "model_ledger": None if own is None else own.to_dict(),
                 },
             )
         if previous is not None and previous[0] != self._checkpoint[0]:  # type: ignore[index]

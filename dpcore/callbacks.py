@@ -26,6 +26,13 @@ Contract:
     unit of several rows (`privacy_unit` other than "example") is refused for untagged data.
     ε is always computed from the steps applied (`dp_steps`), never from `config.steps`.
   * Both work with any Keras 3 model and optimizer; nothing here touches Keras internals.
+  * `DPModel.fit` runs `model_callbacks` first: they keep the model's own ledger (on its
+    `DPOptimizer`, saved with it) of the steps applied, with the sampling the data's
+    `SamplingSpec` names, and put its ε into `logs["epsilon"]` at every epoch end, so the ε
+    spent is reported without any callback; with `epsilon_budget` a `PrivacyBudgetGuard` runs
+    on that ledger. `EpsilonCallback` and `PrivacyBudgetGuard` given no ledger continue the
+    model's when it covers the steps applied, so a resumed model warns only where its history
+    is unknown (and the warning says how to give the ledger back).
   * `SwapPolyakWeights` evaluates (and predicts) with a `DPOptimizer`'s Polyak average of the
     weights during `fit`, swapping it into the model for the evaluation and back afterwards.
 """
@@ -35,19 +42,19 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 
 from dpcore.accounting import calibration
 from dpcore.accounting import events as ev
 from dpcore.accounting.ledger import PrivacyLedger
+from dpcore.accounting.ledger import sigma_segments as _sigma_segments
 from dpcore.config import DPConfig
 from dpcore.optimizer import DPState, DPStateSource
 from dpcore.sampling import SamplingSpec
 
-__all__ = ["EpsilonCallback", "PrivacyBudgetGuard", "SwapPolyakWeights"]
+__all__ = ["EpsilonCallback", "PrivacyBudgetGuard", "SwapPolyakWeights", "model_callbacks"]
 
 
 def _dp_state(model: Any) -> DPState | None:
@@ -145,29 +152,6 @@ def _noise_changes(model: Any) -> tuple[tuple[int, float], ...]:
     return () if state is None else tuple(state.noise_changes)
 
 
-def _sigma_segments(
-    start: int, end: int, sigma: float, changes: Sequence[tuple[int, float]]
-) -> list[tuple[int, float]]:
-    """``[(steps, σ)]`` covering logical steps ``start .. end - 1`` in order: step ``i`` ran with
-    the σ of the last change set when ``i`` or fewer steps had been applied (``sigma`` before
-    ``changes``, which are ``(dp_steps when set, σ)`` in the order they were made)."""
-    cuts = []
-    for k, value in changes:
-        if k <= start:
-            sigma = value
-        elif k < end:
-            cuts.append((k, value))
-    segments, position = [], start
-    for k, value in cuts:
-        if k > position:
-            segments.append((k - position, sigma))
-            position = k
-        sigma = value
-    if end > position:
-        segments.append((end - position, sigma))
-    return segments
-
-
 class _NoiseTracker:
     """Follows the optimizer's σ log: which σ each newly applied step ran with."""
 
@@ -206,17 +190,45 @@ class _NoiseTracker:
         return out
 
 
+_RESTORE_LEDGER = (
+    "To keep the run's exact history, restore the whole model: keras.saving.load_model(...) of a "
+    ".keras file or dp_model.load_weights(...) of a .weights.h5 file written after those steps "
+    "bring back its ledger (dp_model.privacy_ledger); or give the ledger back before fit: "
+    "dp_model.privacy_ledger = dpcore.accounting.PrivacyLedger.from_json(text) (the JSON of "
+    "dp_model.privacy_ledger.to_json(), or the 'ledger' entry of the file "
+    "EpsilonCallback(ledger_path=...) wrote; pass that one to EpsilonCallback(config, ledger=...) "
+    "too)."
+)
+
+
+def _model_ledger(model: Any, config: DPConfig, applied: int) -> PrivacyLedger | None:
+    """A copy of the model's own ledger (``DPModel.fit`` keeps it, saving restores it) when it
+    covers the ``applied`` steps and is one ``config`` can continue; else None."""
+    optimizer = getattr(model, "optimizer", None)
+    ledger = getattr(optimizer, "privacy_ledger", None)
+    if not isinstance(ledger, PrivacyLedger) or ledger.steps < applied:
+        return None
+    if (ledger.sampling, ledger.neighboring) != (config.sampling, config.neighboring):
+        return None
+    if config.sampling == "shuffle" and ledger.num_examples != config.num_examples:
+        return None
+    copy = ledger.copy()
+    copy.num_examples = config.num_examples  # Poisson: q per segment; N only names the data
+    return copy
+
+
 def _sync_ledger(
     ledger: PrivacyLedger, applied: int | None, config: DPConfig, sigma: float
 ) -> None:
-    """Records steps the optimizer applied that the ledger lacks (e.g. a resumed run)."""
+    """Records steps the optimizer applied that the ledger lacks (their history is unknown)."""
     if applied is not None and applied > ledger.steps:
         missing = applied - ledger.steps
         warnings.warn(
             f"the optimizer has applied {applied} logical steps but the ledger holds "
-            f"{ledger.steps}; recording the {missing} missing steps with "
-            f"noise_multiplier={sigma} and sampling_prob={config.sampling_prob}. Restore the "
-            "ledger from the run's JSON to keep its exact history.",
+            f"{ledger.steps}, and the model keeps no ledger of them (restored from a checkpoint "
+            "without one, or steps run outside fit); recording the "
+            f"{missing} missing steps with noise_multiplier={sigma} and "
+            f"sampling_prob={config.sampling_prob}, an assumption. {_RESTORE_LEDGER}",
             UserWarning,
             stacklevel=3,
         )
@@ -253,9 +265,14 @@ class EpsilonCallback(keras.callbacks.Callback):
                         num_examples=60000, steps=14063)
       model.fit(..., callbacks=[EpsilonCallback(config, log_dir="runs/tb")])
 
+    A `dpcore.DPModel` reports the ε it spent by itself (`DPModel.epsilon()`, `epsilon` in the
+    `fit` logs); this callback adds a ledger JSON file, TensorBoard scalars, RDP figures and the
+    check of the data against a `DPConfig`. Its `epsilon` log entry replaces the model's.
+
     Privacy:
       Reports ε for the steps that actually ran (the optimizer's `dp_steps` when present).
-      Pass the ledger restored from the previous run's JSON when resuming.
+      Resuming, it continues the model's own ledger (saved with the model) when no `ledger` is
+      given; else give the ledger restored from the previous run's JSON.
     """
 
     def __init__(
@@ -358,6 +375,10 @@ class EpsilonCallback(keras.callbacks.Callback):
         applied = _read_dp_steps(self.model)
         self._use_counter = applied is not None
         if applied is not None:
+            if self.ledger.steps < applied:
+                own = _model_ledger(self.model, self.config, applied)
+                if own is not None:  # the model's exact history (a resumed model keeps it)
+                    self.ledger = own
             _sync_ledger(self.ledger, applied, self.config, sigma)
             self._synced = int(applied)
         else:
@@ -527,6 +548,10 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
         applied = _read_dp_steps(self.model)
         sigma = _current_noise(self.model, self.config.noise_multiplier)
         if applied is not None and applied > spent.steps:
+            own = _model_ledger(self.model, self.config, applied)
+            if own is not None:  # the model's exact history (a resumed model keeps it)
+                spent = own
+        if applied is not None and applied > spent.steps:
             spent.record_steps(
                 steps=applied - spent.steps,
                 noise_multiplier=sigma,
@@ -594,6 +619,174 @@ class PrivacyBudgetGuard(keras.callbacks.Callback):
                 f"would exceed epsilon={self.target_epsilon} at delta={self.target_delta} "
                 f"(limit {self.max_steps} steps)."
             )
+
+
+class _FitSampling(NamedTuple):
+    """The sampling a ``DPModel.fit`` runs, in privacy units."""
+
+    sampling: str
+    num_examples: int
+    sampling_prob: float
+    expected_batch_size: float
+    privacy_unit: str
+
+
+def _fit_sampling(model: Any, rows: int | None, batch_size: int | None) -> _FitSampling | None:
+    """What the model's current fit samples: its data's ``SamplingSpec``; for arrays without one
+    (Keras's fixed-size shuffled batches) a pass of ``ceil(N / B)`` batches; else None."""
+    spec = getattr(model, "sampling_spec", None)
+    if isinstance(spec, SamplingSpec):
+        return _FitSampling(
+            spec.sampling,
+            int(spec.num_examples),
+            float(spec.sampling_prob),
+            float(spec.expected_batch_size),
+            spec.privacy_unit,
+        )
+    if getattr(model, "data_feed", None) != "arrays" or not rows:
+        return None
+    k = int(getattr(getattr(model, "options", None), "group_size", 1) or 1)
+    units = max(1, rows // k)
+    batch = max(1, min(int(batch_size or 32) // k, units))
+    return _FitSampling("shuffle", units, batch / units, float(batch), "example")
+
+
+def _num_rows(x: Any) -> int | None:
+    """Rows of array inputs (None for a dataset or anything without a leading dimension)."""
+    import tensorflow as tf
+
+    if x is None or isinstance(x, tf.data.Dataset):
+        return None
+    leaves = tf.nest.flatten(x)
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
+
+
+class _SpentPrivacy(keras.callbacks.Callback):
+    """Keeps a ``DPModel``'s own ledger (on its ``DPOptimizer``) in step with the steps applied
+    and puts the ε spent so far into the epoch logs (``epsilon``: History, progress bar,
+    CSVLogger, TensorBoard). ``DPModel.fit`` runs it first among the callbacks.
+
+    Privacy:
+      Each step is recorded with the σ it ran with (the optimizer's σ log) and the q of the
+      sampling that ran (the data's ``SamplingSpec``; for arrays, Keras's shuffled fixed-size
+      batches, accounted without amplification, one pass per Keras epoch).
+    """
+
+    def __init__(self, *, rows: int | None, batch_size: int | None) -> None:
+        super().__init__()
+        self._rows = rows
+        self._batch_size = batch_size
+        self._sampling: _FitSampling | None = None
+
+    def _optimizer(self) -> Any:
+        optimizer = getattr(self.model, "optimizer", None)
+        return optimizer if hasattr(optimizer, "step_recorder") else None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        optimizer = self._optimizer()
+        self._sampling = None
+        if optimizer is None:
+            return
+        found = _fit_sampling(self.model, self._rows, self._batch_size)
+        if found is None:
+            optimizer.step_recorder.finish()
+            warnings.warn(
+                "dpcore: fit was given a dataset that carries no dpcore.sampling.SamplingSpec, so "
+                "what sampling runs (and over how many examples) is unknown: the model reports "
+                "no epsilon for these steps ('epsilon' is left out of the logs and "
+                "dp_model.epsilon() refuses). Feed arrays or dpcore.sampling.poisson_batches(...),"
+                " or tag your sampler with dpcore.sampling.with_sampling_spec.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        state = optimizer.dp_state
+        missing = optimizer.step_recorder.begin(
+            sampling=found.sampling,
+            num_examples=found.num_examples,
+            sampling_prob=found.sampling_prob,
+            neighboring=getattr(self.model, "neighboring", "add_remove"),
+            applied=state.dp_steps,
+            noise_multiplier=state.noise_multiplier,
+            noise_changes=state.noise_changes,
+        )
+        self._sampling = found
+        if missing:
+            warnings.warn(
+                f"dpcore: the optimizer has applied {state.dp_steps} logical steps, {missing} of "
+                "them missing from its privacy ledger (restored from a checkpoint that does not "
+                "carry the ledger, or run outside fit): their history is unknown, so they are "
+                f"recorded with noise_multiplier={state.noise_multiplier} and "
+                f"sampling_prob={found.sampling_prob:.6g} (what this fit runs), an assumption. "
+                f"{_RESTORE_LEDGER}",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._sampling is None:
+            return
+        optimizer = self._optimizer()
+        optimizer.record_applied_steps()
+        if self._sampling.sampling == "shuffle":
+            optimizer.step_recorder.end_pass()  # each Keras epoch is a new pass
+        if logs is not None:
+            logs["epsilon"] = self.model.epsilon()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._sampling is None:
+            return
+        optimizer = self._optimizer()
+        optimizer.record_applied_steps()
+        optimizer.step_recorder.finish()
+
+
+class _BudgetGuard(PrivacyBudgetGuard):
+    """``make_private(..., epsilon_budget=...)``: a ``PrivacyBudgetGuard`` on the model's own
+    ledger, for the sampling each ``fit`` runs."""
+
+    def __init__(self, *, epsilon_budget: float, rows: int | None, batch_size: int | None) -> None:
+        placeholder = DPConfig(
+            l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=1, num_examples=1, steps=1
+        )  # replaced at train begin by the fit's own sampling
+        super().__init__(target_epsilon=epsilon_budget, config=placeholder)
+        self._rows = rows
+        self._batch_size = batch_size
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        found = _fit_sampling(self.model, self._rows, self._batch_size)
+        if found is None:
+            raise ValueError(
+                f"make_private(..., epsilon_budget={self.target_epsilon}) cannot keep the budget: "
+                "fit was given a dataset that carries no dpcore.sampling.SamplingSpec, so its "
+                "sampling is unknown. Feed arrays or dpcore.sampling.poisson_batches(...)."
+            )
+        self.target_delta = float(getattr(self.model, "target_delta", self.target_delta))
+        self.config = DPConfig(
+            l2_norm_clip=1.0,  # no effect on epsilon
+            noise_multiplier=_current_noise(self.model, 1.0),
+            expected_batch_size=found.expected_batch_size,
+            num_examples=found.num_examples,
+            steps=1,
+            sampling=found.sampling,
+            target_delta=self.target_delta,
+            neighboring=getattr(self.model, "neighboring", "add_remove"),
+            privacy_unit=found.privacy_unit,
+        )
+        super().on_train_begin(logs)
+
+
+def model_callbacks(model: Any, arguments: dict[str, Any]) -> list[Any]:
+    """``fit``'s callbacks for a ``DPModel``: its ε record first (so ``epsilon`` is in the logs
+    every later callback sees), its budget guard (``epsilon_budget``), then the caller's."""
+    rows = _num_rows(arguments.get("x"))
+    batch_size = arguments.get("batch_size")
+    own: list[Any] = [_SpentPrivacy(rows=rows, batch_size=batch_size)]
+    budget = getattr(model, "epsilon_budget", None)
+    if budget is not None:
+        own.append(_BudgetGuard(epsilon_budget=budget, rows=rows, batch_size=batch_size))
+    return [*own, *list(arguments.get("callbacks") or [])]
 
 
 class SwapPolyakWeights(keras.callbacks.Callback):

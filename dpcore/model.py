@@ -32,6 +32,12 @@ Contract:
   model's, and the privacy callbacks check it against their ``DPConfig``. Under
   ``ExecutionOptions(group_size>1)`` sampler batches without a spec are refused (their chunks
   might split a unit between two micro-batches of a step).
+- ε spent is what the model reports: ``fit`` keeps a ledger of the logical steps its optimizer
+  applies (each with the σ it ran with and the q of the sampling that ran), saved with the
+  optimizer's variables (``.keras``, ``.weights.h5``) so a resumed model keeps it;
+  :meth:`DPModel.epsilon` and the ``epsilon`` entry of every epoch's logs (History, progress
+  bar, CSVLogger, TensorBoard) are its ε at the model's ``target_delta``. ``epsilon_budget``
+  stops ``fit`` before a step would take it past the budget.
 - Under a multi-worker strategy, or with a :class:`dpcore.backup.StepBackup` among the
   callbacks (one replica per worker), ``fit`` runs dpcore's own epoch loop; with a backup the
   epoch and step to resume at come from the restored ``dp_steps`` and ``steps_per_epoch``.
@@ -51,7 +57,10 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore import distribute, losses, sampling, validation
+from dpcore.accounting import events as _events
+from dpcore.accounting.ledger import PrivacyLedger
 from dpcore.backup import StepBackup
+from dpcore.callbacks import model_callbacks
 from dpcore.engine.summary import prepare_batch, readable_error
 from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
@@ -272,6 +281,11 @@ class DPModel(keras.Model):
         (``fit`` refuses one whose views of one example depend, differentiably, on another
         example's rows: :func:`check_augment_fn_rows`). None keeps the views identical. Not
         saved with the model.
+      target_delta: δ of the ε the model reports (:meth:`epsilon`, the ``epsilon`` log).
+      neighboring: the adjacency of that ε, ``"add_remove"`` (default) or ``"replace_one"``.
+      epsilon_budget: None, or an ε that ``fit`` must not exceed: it stops before a logical step
+        would take the ε spent past it (a :class:`~dpcore.callbacks.PrivacyBudgetGuard` on the
+        model's own ledger, for the sampling each ``fit`` runs).
 
     Compile it with a :class:`DPOptimizer` and a per-example-capable loss (any Keras loss; it is
     rebuilt with ``reduction=None``), or use :func:`make_private`.
@@ -289,6 +303,9 @@ class DPModel(keras.Model):
         name: str | None = None,
         augmentations: int = 1,
         augment_fn: Callable[[Any], Any] | None = None,
+        target_delta: float = 1e-5,
+        neighboring: str = "add_remove",
+        epsilon_budget: float | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(model, keras.layers.Layer):
@@ -316,6 +333,15 @@ class DPModel(keras.Model):
             raise TypeError(f"augment_fn must be callable, got {augment_fn!r}.")
         self.augmentations = k
         self.augment_fn = augment_fn
+        self.target_delta = _events.check_delta(target_delta)
+        self.neighboring = _events.check_choice(
+            neighboring, _events.NEIGHBORING_RELATIONS, "neighboring"
+        )
+        self.epsilon_budget = (
+            None
+            if epsilon_budget is None
+            else _events.check_epsilon(epsilon_budget, "epsilon_budget")
+        )
         # The step's options: views of one example form one unit, their gradients averaged.
         self._step_options = (
             self.options.replace(group_size=k, group_reduction="mean") if k > 1 else self.options
@@ -375,6 +401,7 @@ class DPModel(keras.Model):
           never joins a step of the previous one, so each noised update sums one sample.
         """
         arguments = _bind(super().fit, x, y, args, kwargs)
+        arguments["callbacks"] = model_callbacks(self, arguments)  # ε record, budget guard
         if distribute.worker_info(self.distribute_strategy).num_workers > 1 or _step_backup(
             arguments.get("callbacks")
         ):
@@ -424,6 +451,66 @@ class DPModel(keras.Model):
                 return super().fit(**arguments)
         finally:
             self._whole_steps = False
+
+    def epsilon(
+        self,
+        accountant: str = "pld",
+        *,
+        target_delta: float | None = None,
+        max_examples_per_user: int = 1,
+    ) -> float:
+        """ε spent: the ε of the logical steps this model's optimizer has applied under ``fit``.
+
+        Each step is accounted with the σ it ran with and the sampling that ran (the data's
+        ``SamplingSpec``), from the ledger ``fit`` keeps (:attr:`privacy_ledger`), with
+        dp-accounting. Unlike ``DPConfig.planned_epsilon()`` (the plan), this counts every step
+        applied, however many ``fit`` calls ran them.
+
+        Args:
+          accountant: ``"pld"`` (default) or ``"rdp"``.
+          target_delta: δ; default the model's ``target_delta`` (the ``DPConfig``'s under
+            ``make_private(config=...)``).
+          max_examples_per_user: k > 1: the ε per user for users with at most k examples each
+            (group privacy, ``dpcore.accounting.compute_group_epsilon``).
+
+        Returns:
+          ε (0.0 before any step).
+
+        Raises:
+          ValueError: if the model is not compiled with a ``DPOptimizer``, or if the optimizer
+            applied steps its ledger lacks (run outside ``fit``, or restored without the
+            ledger): give the ledger back through :attr:`privacy_ledger`.
+
+        Privacy:
+          The figure holds for the steps recorded; steps whose sampling was unknown refuse it.
+        """
+        optimizer = self._dp_optimizer()
+        optimizer.record_applied_steps()
+        return optimizer.step_recorder.epsilon(
+            applied=optimizer.dp_state.dp_steps,
+            target_delta=self.target_delta if target_delta is None else target_delta,
+            accountant=accountant,
+            max_examples_per_user=max_examples_per_user,
+        )
+
+    @property
+    def privacy_ledger(self) -> PrivacyLedger | None:
+        """The ledger of the logical steps applied under ``fit`` (None before any), saved with
+        the model; assign a restored one (``PrivacyLedger.from_json(text)``) to continue it."""
+        return self._dp_optimizer().privacy_ledger
+
+    @privacy_ledger.setter
+    def privacy_ledger(self, ledger: PrivacyLedger | None) -> None:
+        self._dp_optimizer().privacy_ledger = ledger
+
+    def _dp_optimizer(self) -> DPOptimizer:
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, DPOptimizer):
+            raise ValueError(
+                "this DPModel has no dpcore.DPOptimizer yet: compile it (or use "
+                "dpcore.make_private) before asking for its epsilon or ledger."
+            )
+        return optimizer
 
     def _start_pass_at_step_boundary(self) -> None:
         """Checks the data's sampling against the optimizer and drops an unfinished step.
@@ -1047,6 +1134,9 @@ class DPModel(keras.Model):
             },
             "name": self.name,
             "augmentations": self.augmentations,
+            "target_delta": self.target_delta,
+            "neighboring": self.neighboring,
+            "epsilon_budget": self.epsilon_budget,
         }
 
     @classmethod
@@ -1075,6 +1165,8 @@ def make_private(
     options: ExecutionOptions | None = None,
     augmentations: int = 1,
     augment_fn: Callable[[Any], Any] | None = None,
+    target_delta: float | None = None,
+    epsilon_budget: float | None = None,
     **compile_kwargs: Any,
 ) -> DPModel:
     """Wraps ``model`` for DP-SGD training with ``fit`` and compiles it.
@@ -1098,6 +1190,11 @@ def make_private(
       augmentations: augmentation multiplicity ``K``: each example's gradient is the mean of
         its ``K`` views' gradients, clipped once (see :class:`DPModel`).
       augment_fn: makes the views from the repeated batch (see :class:`DPModel`).
+      target_delta: δ of the ε the model reports (:meth:`DPModel.epsilon`, the ``epsilon``
+        entry of ``fit``'s logs); default ``config.target_delta``, else 1e-5.
+      epsilon_budget: None, or the ε that training must not exceed: ``fit`` stops before a
+        logical step would take the ε spent (at ``target_delta``) past it, e.g.
+        ``make_private(..., config=config, epsilon_budget=3.0)``.
       **compile_kwargs: further ``keras.Model.compile`` arguments.
 
     Returns:
@@ -1108,8 +1205,9 @@ def make_private(
         without trainable variables, or privacy parameters given twice.
 
     Privacy:
-      Training the returned model with ``fit`` releases only Gaussian-privatized updates; account
-      for them with the sampler's sampling probability and the optimizer's ``dp_steps``.
+      Training the returned model with ``fit`` releases only Gaussian-privatized updates; the
+      model accounts for them itself (:meth:`DPModel.epsilon`: the steps applied, with the
+      sampling that ran), whatever ``config.planned_epsilon()`` planned.
     """
     params: dict[str, Any] = {
         "l2_norm_clip": l2_norm_clip,
@@ -1158,7 +1256,21 @@ def make_private(
             accumulation_steps=given.get("accumulation_steps", 1),
             seed=seed,
         )
-    dp_model = DPModel(model, options=options, augmentations=augmentations, augment_fn=augment_fn)
+    delta = getattr(config, "target_delta", None)
+    if target_delta is not None and delta is not None and target_delta != delta:
+        raise ValueError(
+            f"target_delta={target_delta!r} conflicts with config.target_delta={delta!r}; give it "
+            "once."
+        )
+    dp_model = DPModel(
+        model,
+        options=options,
+        augmentations=augmentations,
+        augment_fn=augment_fn,
+        target_delta=next((d for d in (target_delta, delta) if d is not None), 1e-5),
+        neighboring=getattr(config, "neighboring", "add_remove"),
+        epsilon_budget=epsilon_budget,
+    )
     dp_model.compile(
         optimizer=dp_optimizer,
         loss=loss,

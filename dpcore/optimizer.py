@@ -42,6 +42,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import os
@@ -51,15 +52,19 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from dpcore import adaptive, aggregation, distribute, validation
+from dpcore.accounting.ledger import PrivacyLedger, StepRecorder
 from dpcore.adaptive import AdaptiveClip
 from dpcore.aggregation import ClippedSum
 from dpcore.engine.summary import GradientSummary
 from dpcore_accounting import events
 
 __all__ = ["DPOptimizer", "DPState", "DPStateSource"]
+
+_LEDGER_KEY = "privacy_ledger"  # the ledger's entry among a saved optimizer's variables
 
 # Base-optimizer arguments that belong on the inner optimizer, with their neutral values.
 _BASE_ARGS = {
@@ -352,6 +357,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # (dp_steps when set, σ) for every σ set through the setter: the callbacks account each
         # step with the σ it ran with, whatever the order of the callbacks that set it.
         self._noise_changes: tuple[tuple[int, float], ...] = ()
+        # The ledger of the steps applied (kept by DPModel.fit, saved with the variables).
+        self.step_recorder = StepRecorder()
         self._accumulators: list[Any] = []
         self.adaptive_clip = adaptive_clip
         if adaptive_clip is not None:
@@ -560,6 +567,52 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def iterations(self) -> Any:
         """The inner optimizer's update count (one per applied logical step)."""
         return self.inner_optimizer.iterations
+
+    # ------------------------------------------------------------------------ privacy ledger
+    def record_applied_steps(self) -> None:
+        """Brings the privacy ledger up to ``dp_steps`` while data of known sampling feeds the
+        steps (``DPModel.fit``), each step with the σ it ran with."""
+        state = self.dp_state
+        self.step_recorder.sync(
+            applied=state.dp_steps,
+            noise_multiplier=state.noise_multiplier,
+            noise_changes=state.noise_changes,
+        )
+
+    @property
+    def privacy_ledger(self) -> PrivacyLedger | None:
+        """The ledger of the logical steps applied under ``DPModel.fit`` (None before any).
+
+        Saved with the optimizer's variables (``model.save`` to ``.keras``, ``save_weights``)
+        and restored with them, so a resumed model keeps its history.
+        """
+        self.record_applied_steps()
+        return self.step_recorder.ledger
+
+    @privacy_ledger.setter
+    def privacy_ledger(self, ledger: PrivacyLedger | None) -> None:
+        """Gives back the ledger of the steps applied (e.g. ``PrivacyLedger.from_json(text)``)."""
+        if ledger is not None and not isinstance(ledger, PrivacyLedger):
+            raise ValueError(
+                f"privacy_ledger must be a dpcore.accounting.PrivacyLedger or None, got {ledger!r}."
+            )
+        self.step_recorder = StepRecorder(ledger)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras saving: the variables, and the privacy ledger (JSON bytes) under its own key."""
+        super().save_own_variables(store)
+        ledger = self.privacy_ledger
+        if ledger is not None:
+            store[_LEDGER_KEY] = np.frombuffer(ledger.to_json().encode("utf-8"), dtype=np.uint8)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras loading: the variables and, when the file has one, the privacy ledger."""
+        keys = list(store.keys())
+        if _LEDGER_KEY in keys:
+            text = bytes(np.asarray(store[_LEDGER_KEY], dtype=np.uint8)).decode("utf-8")
+            self.privacy_ledger = PrivacyLedger.from_dict(json.loads(text))
+            store = {k: store[k] for k in keys if k != _LEDGER_KEY}
+        super().load_own_variables(store)
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """Writes the weight average into the model: the inner optimizer's EMA into ``var_list``,

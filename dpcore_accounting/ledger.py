@@ -16,6 +16,9 @@ Contract:
   * `to_json()` / `from_json()` round-trip the exact state, so a resumed run continues the
     same ledger and reports the same ε; the JSON goes into checkpoints and run reports.
   * `epsilon(...)` / `delta(...)` use dp-accounting (PLD default, RDP on request).
+  * `StepRecorder` keeps a ledger in step with an optimizer's counter of applied steps and its
+    log of σ changes (what `dpcore.DPOptimizer` keeps and saves with its state), so a model
+    reports the ε of the steps it applied, each with the σ and q it ran with.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,7 +34,7 @@ import dp_accounting
 
 from dpcore_accounting import events as ev
 
-__all__ = ["PrivacyLedger", "warn_if_delta_too_large"]
+__all__ = ["PrivacyLedger", "StepRecorder", "sigma_segments", "warn_if_delta_too_large"]
 
 _FORMAT = "dpcore.PrivacyLedger/1"
 
@@ -353,3 +357,186 @@ class PrivacyLedger:
             f"neighboring={self.neighboring!r}, steps={self.steps}, "
             f"segments={len(self._segments)})"
         )
+
+
+def sigma_segments(
+    start: int, end: int, sigma: float, changes: Sequence[tuple[int, float]]
+) -> list[tuple[int, float]]:
+    """``[(steps, σ)]`` covering logical steps ``start .. end - 1`` in order.
+
+    Step ``i`` ran with the σ of the last change set when ``i`` or fewer steps had been applied:
+    ``sigma`` before ``changes``, which are ``(steps applied when set, σ)`` in the order made.
+    """
+    cuts = []
+    for k, value in changes:
+        if k <= start:
+            sigma = value
+        elif k < end:
+            cuts.append((k, value))
+    segments, position = [], start
+    for k, value in cuts:
+        if k > position:
+            segments.append((k - position, sigma))
+            position = k
+        sigma = value
+    if end > position:
+        segments.append((end - position, sigma))
+    return segments
+
+
+class StepRecorder:
+    """Keeps a `PrivacyLedger` in step with an optimizer's applied logical steps.
+
+    The owner (a `dpcore.DPOptimizer`) passes its counters: the steps applied so far, the σ in
+    effect and its log of σ changes ``(steps applied when set, σ)``. `begin` names the sampling
+    of the data that feeds the next steps; `sync` records the steps applied since the last call,
+    each with the σ it ran with and that data's q.
+
+    Privacy:
+      Steps the ledger did not see run (applied before `begin`, e.g. restored from a checkpoint
+      that does not carry the ledger, or run outside ``fit``) are the unknown history: `begin`
+      records them with the σ and q given to it and returns how many there were, for the owner
+      to say so. `epsilon` refuses while applied steps are missing from the ledger.
+    """
+
+    def __init__(self, ledger: PrivacyLedger | None = None) -> None:
+        self.ledger = ledger
+        self._sampling_prob: float | None = None  # q of the data now feeding the steps
+        self._sigma: float | None = None  # σ in effect at ledger.steps
+        self._seen = 0  # σ changes already accounted
+        self._cache: dict[tuple[Any, ...], float] = {}
+
+    @property
+    def recording(self) -> bool:
+        """Whether data of a known sampling is feeding the steps (between begin and finish)."""
+        return self._sampling_prob is not None
+
+    def begin(
+        self,
+        *,
+        sampling: str,
+        num_examples: int,
+        sampling_prob: float,
+        neighboring: str,
+        applied: int,
+        noise_multiplier: float,
+        noise_changes: Sequence[tuple[int, float]],
+    ) -> int:
+        """Starts recording steps fed by data of this sampling (a new pass over the data).
+
+        Returns:
+          The applied steps the ledger lacked (unknown history), now recorded with
+          `noise_multiplier` and `sampling_prob`.
+
+        Raises:
+          ValueError: if the ledger so far is for another sampling mode or adjacency (or, for
+            shuffled batches, another dataset size): one ledger cannot hold both.
+        """
+        q = ev.check_sampling_prob(sampling_prob)
+        ledger = self.ledger
+        if ledger is None:
+            ledger = self.ledger = PrivacyLedger(
+                num_examples=num_examples, sampling=sampling, neighboring=neighboring
+            )
+        elif (ledger.sampling, ledger.neighboring) != (sampling, neighboring) or (
+            sampling == "shuffle" and ledger.num_examples != num_examples
+        ):
+            raise ValueError(
+                f"this model's privacy ledger holds {ledger.steps} steps of "
+                f"sampling={ledger.sampling!r} over num_examples={ledger.num_examples} "
+                f"({ledger.neighboring}), but this fit runs sampling={sampling!r} over "
+                f"num_examples={num_examples} ({neighboring}); one ledger cannot account both. "
+                "Keep the sampling of the earlier fits, or train a new make_private(...) model "
+                "and account the two runs together with dpcore.accounting (the ledger so far: "
+                "dp_model.privacy_ledger)."
+            )
+        missing = max(0, int(applied) - ledger.steps)
+        ledger.record_steps(steps=missing, noise_multiplier=noise_multiplier, sampling_prob=q)
+        ledger.end_epoch()
+        self._sampling_prob = q
+        self._sigma = float(noise_multiplier)
+        self._seen = len(noise_changes)
+        return missing
+
+    def sync(
+        self, *, applied: int, noise_multiplier: float, noise_changes: Sequence[tuple[int, float]]
+    ) -> None:
+        """Records the steps applied since the last call (while recording), each with its σ."""
+        if self.ledger is None or self._sampling_prob is None or self._sigma is None:
+            return
+        start = self.ledger.steps
+        new = noise_changes[self._seen :]
+        if new:
+            segments = sigma_segments(start, int(applied), self._sigma, new)
+        else:
+            # σ set without a log entry (weights restored mid-run): the lower one, to be safe.
+            sigma = min(self._sigma, float(noise_multiplier))
+            segments = [(int(applied) - start, sigma)] if applied > start else []
+        for steps, sigma in segments:
+            self.ledger.record_steps(
+                steps=steps, noise_multiplier=sigma, sampling_prob=self._sampling_prob
+            )
+        self._sigma = float(noise_multiplier)
+        self._seen = len(noise_changes)
+
+    def end_pass(self) -> None:
+        """A pass boundary of the data (shuffled batches: the next step starts a new epoch)."""
+        if self.ledger is not None:
+            self.ledger.end_epoch()
+
+    def finish(self) -> None:
+        """The data stops feeding steps: later steps are unknown until the next `begin`."""
+        self._sampling_prob = None
+
+    def epsilon(
+        self,
+        *,
+        applied: int,
+        target_delta: float,
+        accountant: str = "pld",
+        max_examples_per_user: int = 1,
+        pld_discretization: float = ev.DEFAULT_PLD_DISCRETIZATION,
+    ) -> float:
+        """ε of the ledger (computed once per ledger state), which must hold `applied` steps.
+
+        Raises:
+          ValueError: if fewer steps are recorded than `applied` (an ε for only some of the
+            steps would under-report).
+        """
+        ledger = self.ledger
+        steps = 0 if ledger is None else ledger.steps
+        if steps < int(applied):
+            raise ValueError(
+                f"the optimizer applied {applied} logical steps but its privacy ledger holds "
+                f"{steps} (steps run outside fit, or restored without their ledger); the "
+                "epsilon of only some steps would under-report. Give the ledger back: "
+                "dp_model.privacy_ledger = dpcore.accounting.PrivacyLedger.from_json(text)."
+            )
+        if ledger is None or steps == 0:
+            return 0.0
+        key = (
+            ledger.to_json(),
+            target_delta,
+            accountant,
+            max_examples_per_user,
+            pld_discretization,
+        )
+        if key not in self._cache:
+            if max_examples_per_user == 1:
+                value = ledger.epsilon(
+                    target_delta=target_delta,
+                    accountant=accountant,
+                    pld_discretization=pld_discretization,
+                )
+            else:
+                warn_if_delta_too_large(target_delta=target_delta, num_examples=ledger.num_examples)
+                value = ev.compute_group_epsilon(
+                    ledger.dp_event(),
+                    max_examples_per_user=max_examples_per_user,
+                    target_delta=target_delta,
+                    accountant=accountant,
+                    neighboring=ledger.neighboring,
+                    pld_discretization=pld_discretization,
+                )
+            self._cache = {key: value}  # only the latest state is asked again
+        return self._cache[key]

@@ -108,6 +108,7 @@ def test_resumed_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     assert np.abs(_weights(dp) - _weights(_dp_model(seed=0))).max() > 0.05
     assert eps.ledger.steps == ref_eps.ledger.steps == TOTAL
     assert eps.epsilon() == ref_eps.epsilon()
+    assert dp.epsilon() == ref.epsilon() == eps.epsilon()  # the model's own figure agrees
 
 
 def test_steps_after_the_last_weights_stay_counted(tmp_path):
@@ -115,8 +116,11 @@ def test_steps_after_the_last_weights_stay_counted(tmp_path):
         _run(tmp_path, crash_after=6, save_every=4)
     state = json.loads((tmp_path / "state.json").read_text())
     assert (state["applied_steps"], state["checkpoint_steps"]) == (6, 4)
-    with pytest.warns(UserWarning, match="2 steps in between are lost"):
+    with pytest.warns(UserWarning, match="2 steps in between are lost") as record:
         dp, backup, eps = _run(tmp_path, save_every=4)
+    # The state carries the model's own ledger: its history is known, nothing is assumed.
+    assert not [w for w in record if "privacy ledger" in str(w.message)]
+    assert dp.privacy_ledger == eps.ledger and dp.epsilon() == eps.epsilon()
     assert backup.resume_step == 6
     assert int(dp.optimizer.dp_steps.numpy()) == TOTAL  # steps 5, 6 never run again
     assert eps.ledger.steps == TOTAL
