@@ -34,7 +34,8 @@ def test_readme_example_runs(capsys):
     config, dp_model, history = namespace["config"], namespace["dp_model"], namespace["history"]
     # The run recorded exactly the logical steps the config plans, and spent what it planned.
     assert int(dp_model.optimizer.dp_steps.numpy()) == config.steps
-    spent = history.history["epsilon"][-1]
+    spent = dp_model.epsilon()
+    assert spent == pytest.approx(history.history["epsilon"][-1], rel=1e-9)
     assert spent == pytest.approx(config.planned_epsilon(), rel=1e-6) and spent <= 3.0
     out = capsys.readouterr().out
     assert f"epsilon spent: {spent:.3f} at delta = 1e-05" in out
