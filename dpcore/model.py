@@ -14,6 +14,14 @@ Contract:
   metrics see only real rows.
 - Layers that mix examples (trainable BatchNormalization, stateful RNNs) are refused when the
   model is wrapped and again when the step is traced (see :mod:`dpcore.validation`).
+- ``fit`` runs the sampling the model accounts for (``DPModel.sampling``, from
+  ``make_private(config=...)``; Poisson by default): arrays and unbatched examples go through
+  :func:`dpcore.sampling.poisson_batches` at q = ``expected_batch_size`` / N, ceil(N / B)
+  logical steps per Keras epoch (``steps_for_epochs(1)``), N the config's ``num_examples``;
+  fixed-size batches only under ``sampling="shuffle"``. A batched dataset without a
+  ``SamplingSpec`` under Poisson, a ``batch_size`` other than ``expected_batch_size`` or another N
+  than the config's is refused before the first step.
+- A sampler's dataset with a spec has a known epoch length in logical steps (``spec.steps``).
 - :func:`make_private` builds the :class:`DPOptimizer` when needed and compiles the wrapper.
 - Under a multi-replica ``tf.distribute`` strategy, ``fit``/``evaluate`` pad the sampler's
   batches with masked rows to a multiple of the replicas (times ``group_size``: every replica
@@ -58,6 +66,7 @@ import tensorflow as tf
 
 from dpcore import distribute, losses, sampling, validation
 from dpcore.accounting import events as _events
+from dpcore.accounting import steps_for_epochs
 from dpcore.accounting.ledger import PrivacyLedger
 from dpcore.backup import StepBackup
 from dpcore.callbacks import model_callbacks
@@ -65,6 +74,7 @@ from dpcore.engine.summary import prepare_batch, readable_error
 from dpcore.losses import PerExampleLoss, per_example_loss_fn
 from dpcore.optimizer import DPOptimizer
 from dpcore.options import ExecutionOptions, resolve
+from dpcore.sampling import SamplingSpec
 from dpcore.step import dp_step
 
 __all__ = ["DPModel", "make_private"]
@@ -142,6 +152,52 @@ def _validation_rows(data: Any) -> tuple[Any, Any, Any]:
     if isinstance(data, (tuple, list)):
         return (*data, None, None)[:3]
     return data, None, None
+
+
+def _examples_of(dataset: tf.data.Dataset) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` arrays of a finite dataset of unbatched examples."""
+    element = dataset.element_spec
+    if not isinstance(element, (tuple, list)) or len(element) not in (2, 3):
+        raise ValueError(
+            "DP training needs labels: a dataset of examples must yield (x, y) or "
+            f"(x, y, sample_weight), got {element}."
+        )
+    if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+        raise ValueError(
+            "fit samples from a dataset of examples, which must be finite (N examples, "
+            "q = expected_batch_size / N): drop the .repeat()."
+        )
+    parts = list(dataset.batch(4096).as_numpy_iterator())
+    if not parts:
+        raise ValueError("The dataset is empty.")
+    merged = tf.nest.map_structure(lambda *rows: np.concatenate(rows, axis=0), *parts)
+    return (*merged, None)[:3]
+
+
+def _split_validation(arguments: dict[str, Any]) -> dict[str, Any]:
+    """Arrays' ``validation_split`` done before sampling: Keras's split, the last rows."""
+    split = arguments.get("validation_split") or 0.0
+    if not split or arguments.get("validation_data") is not None:
+        return {k: v for k, v in arguments.items() if k != "validation_split"}
+    x, y, sw = arguments["x"], arguments["y"], arguments.get("sample_weight")
+    n = sampling.num_examples(x, y)
+    cut = int(np.floor(n * (1.0 - float(split))))
+    if not 0 < cut < n:
+        raise ValueError(f"validation_split={split} leaves no training or no validation rows.")
+
+    def rows(tree: Any, sl: slice) -> Any:
+        return None if tree is None else tf.nest.map_structure(lambda t: t[sl], tree)
+
+    head, tail = slice(0, cut), slice(cut, n)
+    validation = (rows(x, tail), rows(y, tail), *(() if sw is None else (rows(sw, tail),)))
+    rest = {k: v for k, v in arguments.items() if k != "validation_split"}
+    return {
+        **rest,
+        "x": rows(x, head),
+        "y": rows(y, head),
+        "sample_weight": rows(sw, head),
+        "validation_data": validation,
+    }
 
 
 def _step_backup(callbacks: Any) -> StepBackup | None:
@@ -286,6 +342,12 @@ class DPModel(keras.Model):
       epsilon_budget: None, or an ε that ``fit`` must not exceed: it stops before a logical step
         would take the ε spent past it (a :class:`~dpcore.callbacks.PrivacyBudgetGuard` on the
         model's own ledger, for the sampling each ``fit`` runs).
+      sampling: how ``fit`` batches arrays and examples, and the sampling the model's data must
+        have: ``"poisson"`` (default: ``fit`` samples Poisson batches itself; batched datasets
+        without a ``SamplingSpec`` are refused) or ``"shuffle"`` (fixed-size shuffled batches,
+        opted into; accounted without amplification). See :meth:`fit`.
+      num_examples: N that the accounting assumes (``DPConfig.num_examples``); ``fit`` refuses
+        to sample from another number of examples. None: the examples ``fit`` is given.
 
     Compile it with a :class:`DPOptimizer` and a per-example-capable loss (any Keras loss; it is
     rebuilt with ``reduction=None``), or use :func:`make_private`.
@@ -306,6 +368,8 @@ class DPModel(keras.Model):
         target_delta: float = 1e-5,
         neighboring: str = "add_remove",
         epsilon_budget: float | None = None,
+        sampling: str = "poisson",
+        num_examples: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(model, keras.layers.Layer):
@@ -342,6 +406,16 @@ class DPModel(keras.Model):
             if epsilon_budget is None
             else _events.check_epsilon(epsilon_budget, "epsilon_budget")
         )
+        if sampling not in ("poisson", "shuffle"):
+            raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {sampling!r}.")
+        if num_examples is not None and (
+            isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1
+        ):
+            raise ValueError(
+                f"num_examples must be a positive integer or None, got {num_examples!r}."
+            )
+        self.sampling = sampling
+        self.num_examples = None if num_examples is None else int(num_examples)
         # The step's options: views of one example form one unit, their gradients averaged.
         self._step_options = (
             self.options.replace(group_size=k, group_reduction="mean") if k > 1 else self.options
@@ -354,8 +428,9 @@ class DPModel(keras.Model):
         # How the last fit was fed ("arrays", "dataset" or "masked_batches"): the privacy
         # callbacks check it against the sampling their config accounts for.
         self.data_feed: str | None = None
-        # The sampling the last fit's data carried (None: arrays, plain or untagged datasets).
-        self.sampling_spec: sampling.SamplingSpec | None = None
+        # The sampling the last fit's data carried (fit's own sampler's too; None: plain or
+        # untagged datasets, or arrays under sampling="shuffle").
+        self.sampling_spec: SamplingSpec | None = None
         self._sampler_passes: int | None = None
         self._whole_steps = False  # a train-function call runs whole logical steps
         self._per_example_loss: PerExampleLoss | None = None
@@ -369,8 +444,33 @@ class DPModel(keras.Model):
 
     @_readable_errors
     def fit(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """Keras ``fit``. A ``tf.data.Dataset`` (e.g. the Poisson sampler's) is used as given:
-        its batches are the sampled ones, so it is never reshuffled.
+        """Keras ``fit``, with the sampling the model accounts for (``self.sampling``).
+
+        How the data is fed decides what runs:
+
+        - Arrays ``fit(x, y, epochs=E)`` and a ``tf.data.Dataset`` of unbatched ``(x, y)``
+          examples, under ``sampling="poisson"`` (the default): ``fit`` samples by itself, with
+          :func:`dpcore.sampling.poisson_batches` at ``sampling_prob = expected_batch_size / N``
+          (N the examples given, after ``validation_split``), one Keras epoch being
+          ``dpcore.accounting.steps_for_epochs(1)`` = ceil(N / B) logical steps (or
+          ``steps_per_epoch``), each of a fresh Poisson sample: E epochs run
+          ``steps_for_epochs(E)`` steps. ``batch_size`` may only repeat ``expected_batch_size``;
+          ``sample_weight``, ``class_weight``, ``accumulation_steps > 1`` and units of several
+          rows are refused there (they need ``sampling="shuffle"`` or a sampler of your own).
+        - The same under ``sampling="shuffle"``: Keras's shuffled fixed-size batches of
+          ``expected_batch_size / accumulation_steps`` rows (``batch_size`` defaults to it and
+          may not contradict it), accounted without amplification.
+        - A sampler's dataset (``(x, y, mask, step_end)``, e.g. ``poisson_batches``) is used as
+          given: its batches are the sampled ones, never reshuffled. Its ``SamplingSpec`` gives
+          Keras the epoch's length in logical steps (``spec.steps``, unless ``steps_per_epoch``
+          is given), so the progress bar has a total from the first epoch; each epoch is a new
+          pass over it (fresh samples).
+        - A dataset of batches without a ``SamplingSpec`` is refused under ``"poisson"`` (its
+          fixed-size batches are not the sampling the Poisson ε assumes) and trains as given
+          under ``"shuffle"``.
+
+        ``num_examples`` (from ``make_private(config=...)``) must be the N that fit samples
+        from: q = expected_batch_size / N is what the config accounts for.
 
         The sampler's ``(x, y, mask, step_end)`` batches also work under a multi-replica
         ``tf.distribute`` strategy: each batch is padded with masked rows to a multiple of the
@@ -378,27 +478,29 @@ class DPModel(keras.Model):
         replica clips its rows and the clipped sums are all-reduced before the one noise draw of
         the step (see :class:`DPOptimizer`).
 
-        The Poisson sampler's dataset has no known length (overflow chunks, astronomically rare,
-        add elements), so an epoch ends when it is exhausted. Keras then warns "Your input ran
-        out of data; interrupting training" although nothing was cut short; that one warning is
-        silenced when no ``steps_per_epoch`` was asked for, the only case where it is spurious.
-
         On ``(x, y, mask, step_end)`` batches one Keras batch is one logical step (every chunk
         up to ``step_end``): progress bars, ``steps_per_epoch`` and batch-level callbacks count
-        logical steps, and an epoch ends only between steps.
+        logical steps, and an epoch ends only between steps. A sampler without a spec has no
+        known length (overflow chunks, astronomically rare, add elements), so an epoch ends
+        when it is exhausted; Keras's "Your input ran out of data" warning, spurious there, is
+        silenced when no ``steps_per_epoch`` was asked for.
 
         Raises:
-          ValueError: before the first step, if the dataset's
-            :class:`~dpcore.sampling.SamplingSpec` expects another batch size than the
-            optimizer's ``expected_batch_size``; during training, if a pass over
-            ``(x, y, mask, step_end)`` data ends inside a logical step, or (one line, TensorFlow's
-            error as its cause) if a dpcore check of a batch fails, e.g. NaN or Inf in ``x``:
-            it names the field and the row of the arrays given (of the batch, for a dataset).
+          ValueError: before the first step, for data whose sampling is not the model's (a
+            batched dataset without a ``SamplingSpec`` under ``"poisson"``, a ``batch_size``
+            that contradicts ``expected_batch_size``, N other than ``num_examples``, a
+            ``SamplingSpec`` whose expected batch size is not the optimizer's); during
+            training, if a pass over ``(x, y, mask, step_end)`` data ends inside a logical step,
+            or (one line, TensorFlow's error as its cause) if a dpcore check of a batch fails,
+            e.g. NaN or Inf in ``x``: it names the field and the row of the arrays given (of
+            the batch, for a dataset).
 
         Privacy:
-          An unfinished logical step left in the optimizer (interrupted run, checkpoint saved
-          mid-step) is dropped with a warning when a fit on sampler batches starts: a new pass
-          never joins a step of the previous one, so each noised update sums one sample.
+          The sampling that runs is the one ``self.sampling`` names, so a ``DPConfig`` with the
+          same sampling, N and q accounts for it. An unfinished logical step left in the
+          optimizer (interrupted run, checkpoint saved mid-step) is dropped with a warning when
+          a fit on sampler batches starts: a new pass never joins a step of the previous one,
+          so each noised update sums one sample.
         """
         arguments = _bind(super().fit, x, y, args, kwargs)
         arguments["callbacks"] = model_callbacks(self, arguments)  # ε record, budget guard
@@ -406,6 +508,7 @@ class DPModel(keras.Model):
             arguments.get("callbacks")
         ):
             return self._fit_workers(**arguments)
+        arguments, own_sampler = self._own_sampling(arguments)
         x = arguments["x"]
         if self.augment_fn is not None:
             check_augment_fn_rows(self.augment_fn, _inputs_spec(x), self.augmentations)
@@ -423,7 +526,7 @@ class DPModel(keras.Model):
             self._check_unit_layout(arguments)
             self.data_feed = "arrays"
             return super().fit(**arguments)
-        self.data_feed = "masked_batches" if masked else "dataset"
+        self.data_feed = "arrays" if own_sampler else "masked_batches" if masked else "dataset"
         if masked:
             self._start_pass_at_step_boundary()
             if self.sampling_spec is not None:
@@ -435,6 +538,14 @@ class DPModel(keras.Model):
                 # Its length counts chunks; Keras counts logical steps here (see
                 # make_train_function), so let the end of the data end the epoch.
                 x = x.filter(lambda *element: True)
+            spec = self.sampling_spec
+            if spec is not None and spec.steps > 0 and arguments.get("steps_per_epoch") is None:
+                # Keras's epoch is one pass of spec.steps logical steps: one iterator over as
+                # many passes as epochs (each draws fresh samples), cut every spec.steps calls
+                # of the train function, which consume whole steps whatever their chunks.
+                passes = int(arguments.get("epochs", 1)) - int(arguments.get("initial_epoch", 0))
+                x = x.repeat(max(passes, 1))
+                arguments["steps_per_epoch"] = spec.steps
         arguments.setdefault("shuffle", False)
         replicas = self.distribute_strategy.num_replicas_in_sync
         if "validation_data" in arguments:
@@ -512,13 +623,184 @@ class DPModel(keras.Model):
             )
         return optimizer
 
+    def _own_sampling(self, arguments: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """``fit``'s arguments with arrays (or unbatched examples) replaced by the sampling the
+        model accounts for; True when ``fit`` built the sampler itself.
+
+        Raises:
+          ValueError: for data whose sampling would not be ``self.sampling`` (see :meth:`fit`).
+        """
+        x = arguments.get("x")
+        if isinstance(x, tf.data.Dataset):
+            if sampling.as_sampled_batch(x.element_spec) is not None:
+                return arguments, False
+            batched = self._is_batched(x)
+            if batched is not False:
+                if self.sampling == "poisson":
+                    raise ValueError(self._batched_refusal(x, known=batched is not None))
+                self._check_fixed_batch_size(x)
+                return arguments, False
+            x, y, sample_weight = _examples_of(x)
+            arguments = {**arguments, "x": x, "y": y, "sample_weight": sample_weight}
+        elif arguments.get("y") is None:
+            raise ValueError(
+                "DP training needs labels: call fit(x, y, ...) or feed (x, y) examples, or the "
+                "sampler's SampledBatch(x, y, mask, step_end)."
+            )
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, DPOptimizer):
+            raise ValueError("DPModel is not compiled: call compile() or use dpcore.make_private.")
+        arguments = _split_validation(arguments)
+        n = sampling.num_examples(arguments["x"], arguments["y"])
+        b = float(optimizer.expected_batch_size)
+        if self.num_examples is not None and n != self.num_examples:
+            raise ValueError(
+                f"fit got {n} training examples but the model accounts for num_examples="
+                f"{self.num_examples} (sampling_prob = expected_batch_size / num_examples = "
+                f"{b / self.num_examples:.6g}): the sampling would not be the accounted one. "
+                f"Build the DPConfig with num_examples={n} (the rows fit trains on, after any "
+                "validation_split), or fit on the dataset it was built for."
+            )
+        if self.sampling == "shuffle":
+            return self._fixed_batches(arguments, n, optimizer), False
+        return self._poisson_arguments(arguments, n, optimizer), True
+
+    def _poisson_arguments(
+        self, arguments: dict[str, Any], n: int, optimizer: DPOptimizer
+    ) -> dict[str, Any]:
+        """Arrays replaced by ``poisson_batches`` at q = expected_batch_size / N."""
+        b = float(optimizer.expected_batch_size)
+        batch_size = arguments.get("batch_size")
+        if batch_size is not None and not sampling._same(batch_size, b):
+            raise ValueError(
+                f"fit(batch_size={batch_size}) contradicts the optimizer's expected_batch_size="
+                f"{b:.6g}: under sampling='poisson' fit draws Poisson batches of expected size "
+                f"{b:.6g} itself. Omit batch_size (or feed dpcore.sampling.poisson_batches), or "
+                f"for fixed-size shuffled batches of {batch_size} use DPConfig(sampling='shuffle', "
+                f"expected_batch_size={batch_size}, ...) in make_private (accounted without "
+                "amplification)."
+            )
+        refused = {
+            "sample_weight": arguments.get("sample_weight") is not None,
+            "class_weight": bool(arguments.get("class_weight")),
+            f"accumulation_steps={optimizer.accumulation_steps}": optimizer.accumulation_steps != 1,
+            f"ExecutionOptions(group_size={self.options.group_size})": self.options.group_size > 1,
+        }
+        given = [name for name, bad in refused.items() if bad]
+        if given:
+            raise ValueError(
+                f"fit's own Poisson sampling does not take {', '.join(given)}: its batches are "
+                "(x, y, mask, step_end) chunks of single examples. Use sampling='shuffle' "
+                "(fixed-size batches, accounted as such), or feed a sampler (units: "
+                "dpcore.units.unit_batches; memory: poisson_batches(..., padded_batch_size=...) "
+                "with accumulation_steps=1)."
+            )
+        if b > n:
+            raise ValueError(
+                f"expected_batch_size={b:.6g} is larger than the {n} examples fit got: "
+                "sampling_prob = expected_batch_size / N must be at most 1."
+            )
+        steps = arguments.get("steps_per_epoch") or steps_for_epochs(
+            1, num_examples=n, expected_batch_size=b
+        )
+        data = sampling.poisson_batches(
+            arguments["x"], arguments["y"], sampling_prob=b / n, steps=int(steps)
+        )
+        dropped = ("y", "batch_size", "sample_weight", "class_weight", "shuffle", "steps_per_epoch")
+        return {**{k: v for k, v in arguments.items() if k not in dropped}, "x": data}
+
+    def _fixed_batches(
+        self, arguments: dict[str, Any], n: int, optimizer: DPOptimizer
+    ) -> dict[str, Any]:
+        """Arrays under ``sampling="shuffle"``: Keras's batches of expected_batch_size examples
+        (per micro-batch; rows: times ``group_size``)."""
+        rows = self._fixed_batch_rows(optimizer)
+        batch_size = arguments.get("batch_size")
+        if rows != int(rows) or (batch_size is not None and batch_size != rows):
+            raise ValueError(
+                f"fit(batch_size={batch_size}) contradicts the optimizer's expected_batch_size="
+                f"{optimizer.expected_batch_size:.6g} (/ accumulation_steps="
+                f"{optimizer.accumulation_steps}, x group_size={self.options.group_size} rows "
+                f"per unit = {rows:.6g} rows): under sampling='shuffle' each batch has that "
+                "fixed size. Omit batch_size (or pass that size), or let fit sample Poisson "
+                "batches itself with sampling='poisson'."
+            )
+        if rows > n:
+            raise ValueError(
+                f"batches of {int(rows)} rows under sampling='shuffle' need at least that many "
+                f"rows; fit got {n}."
+            )
+        return {**arguments, "batch_size": int(rows)}
+
+    def _fixed_batch_rows(self, optimizer: DPOptimizer) -> float:
+        """Rows of one fixed-size micro-batch under ``sampling="shuffle"``."""
+        units = float(optimizer.expected_batch_size) / optimizer.accumulation_steps
+        return units * self.options.group_size
+
+    def _is_batched(self, dataset: tf.data.Dataset) -> bool | None:
+        """Whether a dataset's elements are batches (True), examples (False) or unknown (None):
+        its inputs' ranks against the wrapped model's inputs'."""
+        element = dataset.element_spec
+        x_spec = element[0] if isinstance(element, (tuple, list)) else element
+        try:
+            inputs = self.model.inputs
+        except (AttributeError, ValueError):
+            return None
+        model_ranks = [len(t.shape) for t in tf.nest.flatten(inputs or [])]
+        data_ranks = [s.shape.rank for s in tf.nest.flatten(x_spec)]
+        if not model_ranks or len(model_ranks) != len(data_ranks) or None in data_ranks:
+            return None
+        if data_ranks == model_ranks:
+            return True
+        if data_ranks == [r - 1 for r in model_ranks]:
+            return False
+        return None
+
+    def _batched_refusal(self, dataset: tf.data.Dataset, *, known: bool) -> str:
+        what = (
+            "a dataset of batches"
+            if known
+            else "a dataset whose elements may be batches (the model has no known input shape)"
+        )
+        return (
+            f"fit was given {what} without a dpcore.sampling.SamplingSpec, but the model "
+            "accounts for Poisson sampling (sampling='poisson'): fixed-size batches would be "
+            "reported with the Poisson epsilon. Feed the examples unbatched (arrays "
+            "fit(x, y), or the dataset before .batch) so that fit samples Poisson batches "
+            "itself, or dpcore.sampling.poisson_batches(...); or opt in to fixed-size batches "
+            "with DPConfig(sampling='shuffle', ...) in make_private (accounted as such)."
+        )
+
+    def _check_fixed_batch_size(self, dataset: tf.data.Dataset) -> None:
+        """Under ``sampling="shuffle"``: a batched dataset's static batch size, when it has one,
+        is ``expected_batch_size / accumulation_steps``."""
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, DPOptimizer):
+            return
+        micro = self._fixed_batch_rows(optimizer)
+        element = dataset.element_spec
+        sizes = {
+            s.shape[0] for s in tf.nest.flatten(element) if s.shape.rank and s.shape[0] is not None
+        }
+        if sizes and sizes != {micro}:
+            raise ValueError(
+                f"the dataset's batches have {sorted(sizes)} rows but the optimizer's "
+                f"expected_batch_size={optimizer.expected_batch_size:.6g} / accumulation_steps="
+                f"{optimizer.accumulation_steps} (x group_size={self.options.group_size}) is "
+                f"{micro:.6g} rows: the noised sum would be "
+                "normalized for another batch size. Batch it by that size, or feed unbatched "
+                "examples and let fit batch them."
+            )
+
     def _start_pass_at_step_boundary(self) -> None:
         """Checks the data's sampling against the optimizer and drops an unfinished step.
 
         Raises:
           ValueError: if the data's ``SamplingSpec`` has another expected batch size than the
-            optimizer's ``expected_batch_size`` or other units than the model's
-            ``group_size``, or if the model groups rows into units and the data has no spec.
+            optimizer's ``expected_batch_size``, another sampling mode than the model's
+            ``sampling``, other units than the model's ``group_size`` or another N than the
+            model's ``num_examples``, or if the model groups rows into units and the data has
+            no spec.
         """
         optimizer = getattr(self, "optimizer", None)
         if not isinstance(optimizer, DPOptimizer):
@@ -527,7 +809,26 @@ class DPModel(keras.Model):
             self.sampling_spec.check_expected_batch_size(
                 expected_batch_size=optimizer.expected_batch_size
             )
+            if self.sampling_spec.sampling != self.sampling:
+                raise ValueError(
+                    f"the data comes from {self.sampling_spec._describe()} (sampling="
+                    f"{self.sampling_spec.sampling!r}), but the model accounts for sampling="
+                    f"{self.sampling!r}: its epsilon would assume another sampling than the "
+                    f"one that runs. Build the model with DPConfig(sampling="
+                    f"{self.sampling_spec.sampling!r}, ...) (or make_private(..., sampling="
+                    f"{self.sampling_spec.sampling!r})), or feed the sampling it accounts for."
+                )
             self.sampling_spec.check_group_size(self.options.group_size)
+            if (
+                self.num_examples is not None
+                and self.sampling_spec.num_examples != self.num_examples
+            ):
+                raise ValueError(
+                    f"the data comes from {self.sampling_spec._describe()}, but the model "
+                    f"accounts for num_examples={self.num_examples}: the sampling would not be "
+                    "the accounted one. Sample the dataset the DPConfig was built for, or build "
+                    f"it with num_examples={self.sampling_spec.num_examples}."
+                )
         elif self.options.group_size > 1:
             raise ValueError(
                 f"ExecutionOptions(group_size={self.options.group_size}) on (x, y, mask, "
@@ -992,7 +1293,12 @@ class DPModel(keras.Model):
 
         x0, y0 = tf.nest.map_structure(zero_row, (spec.x, spec.y))
         with self.distribute_strategy.scope():
+            # The zero row is no data: a layer that writes state in its call (refused when the
+            # step is traced) must not keep what this call wrote.
+            state = [(v, keras.ops.copy(v.value)) for v in self.model.non_trainable_variables]
             y_pred = self(x0, training=False)
+            for variable, value in state:
+                variable.assign(value)
             self.compute_metrics(x0, y0, y_pred)
             self.compute_loss(x0, y0, y_pred)
             self.reset_metrics()
@@ -1137,6 +1443,8 @@ class DPModel(keras.Model):
             "target_delta": self.target_delta,
             "neighboring": self.neighboring,
             "epsilon_budget": self.epsilon_budget,
+            "sampling": self.sampling,
+            "num_examples": self.num_examples,
         }
 
     @classmethod
@@ -1167,6 +1475,7 @@ def make_private(
     augment_fn: Callable[[Any], Any] | None = None,
     target_delta: float | None = None,
     epsilon_budget: float | None = None,
+    sampling: str | None = None,
     **compile_kwargs: Any,
 ) -> DPModel:
     """Wraps ``model`` for DP-SGD training with ``fit`` and compiles it.
@@ -1184,7 +1493,9 @@ def make_private(
       accumulation_steps: micro-steps per logical step (with a plain ``optimizer``; default 1).
       seed: fixed noise seed, tests/reproducibility only (with a plain ``optimizer``).
       config: an object with ``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size`` and
-        optionally ``accumulation_steps`` (e.g. ``dpcore.DPConfig``), instead of the keywords.
+        optionally ``accumulation_steps``, ``sampling`` and ``num_examples`` (e.g.
+        ``dpcore.DPConfig``), instead of the keywords: ``fit`` then runs the sampling the
+        config accounts for, over its N examples.
       options: how the step computes (:class:`dpcore.ExecutionOptions`: engine path, chunking,
         non-finite handling, layer rules); training mode is always on.
       augmentations: augmentation multiplicity ``K``: each example's gradient is the mean of
@@ -1195,6 +1506,8 @@ def make_private(
       epsilon_budget: None, or the ε that training must not exceed: ``fit`` stops before a
         logical step would take the ε spent (at ``target_delta``) past it, e.g.
         ``make_private(..., config=config, epsilon_budget=3.0)``.
+      sampling: ``"poisson"`` (default) or ``"shuffle"``: how ``fit`` batches arrays (see
+        :meth:`DPModel.fit`); taken from ``config`` when it has one.
       **compile_kwargs: further ``keras.Model.compile`` arguments.
 
     Returns:
@@ -1207,7 +1520,9 @@ def make_private(
     Privacy:
       Training the returned model with ``fit`` releases only Gaussian-privatized updates; the
       model accounts for them itself (:meth:`DPModel.epsilon`: the steps applied, with the
-      sampling that ran), whatever ``config.planned_epsilon()`` planned.
+      sampling that ran), whatever ``config.planned_epsilon()`` planned. Fed arrays,
+      ``fit`` runs the sampling ``config`` (or ``sampling``) names, at
+      q = expected_batch_size / N.
     """
     params: dict[str, Any] = {
         "l2_norm_clip": l2_norm_clip,
@@ -1262,6 +1577,12 @@ def make_private(
             f"target_delta={target_delta!r} conflicts with config.target_delta={delta!r}; give it "
             "once."
         )
+    config_sampling = getattr(config, "sampling", None)
+    if sampling is not None and config_sampling is not None and sampling != config_sampling:
+        raise ValueError(
+            f"sampling={sampling!r} conflicts with config.sampling={config_sampling!r}; give it once."
+        )
+    num_examples = getattr(config, "num_examples", None)
     dp_model = DPModel(
         model,
         options=options,
@@ -1270,6 +1591,8 @@ def make_private(
         target_delta=next((d for d in (target_delta, delta) if d is not None), 1e-5),
         neighboring=getattr(config, "neighboring", "add_remove"),
         epsilon_budget=epsilon_budget,
+        sampling=sampling or config_sampling or "poisson",
+        num_examples=None if num_examples is None else int(num_examples),
     )
     dp_model.compile(
         optimizer=dp_optimizer,

@@ -38,7 +38,9 @@ Contract:
     sampling mode, N, q, the expected batch size, the logical steps per iteration, the padded
     size P and the first step index. `DPModel.fit` refuses data whose expected batch size
     differs from the optimizer's, and the privacy callbacks refuse data whose sampling differs
-    from their `DPConfig`, before the first step. The spec is a Python attribute of the dataset
+    from their `DPConfig`, before the first step. `DPModel.fit` gives Keras the spec's `steps`
+    as the epoch's length (logical steps, whatever the overflow chunks), and fed arrays it
+    samples them with `poisson_batches` itself. The spec is a Python attribute of the dataset
     object: tf.data transformations (`.map`, `.prefetch`, `.take`, ...) return new datasets
     without it. `DPModel.fit` keeps it through its own re-wrapping; after a transformation of
     your own, re-attach it with `with_sampling_spec(new_ds, sampling_spec(ds))` if (and only

@@ -302,6 +302,7 @@ def make_fit_model(
         expected_batch_size=batch_size // rows_per_unit,
         augmentations=augmentations,
         options=ExecutionOptions(group_size=group_size),
+        sampling="shuffle",  # one fixed batch per step: the step's cost, not a sampler's
         jit_compile=False,
     )
 

@@ -322,10 +322,11 @@ def test_guard_counts_micro_batches_carried_over_between_epochs():
 
 
 def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
-    """Under shuffle accounting each Keras epoch over arrays is a new pass (one more Gaussian per
-    example). With epochs shorter than the config's pass (a validation split, or a larger fit
-    batch), the guard used to count several Keras epochs as one pass and ran to 3.14 against a
-    target of 2.05; it now stops where EpsilonCallback's epsilon is at most the target."""
+    """Under shuffle accounting each Keras epoch is a new pass (one more Gaussian per example).
+    With epochs shorter than the config's pass (fewer rows, or larger batches), the guard used to
+    count several Keras epochs as one pass and ran to 3.14 against a target of 2.05; it now stops
+    where EpsilonCallback's epsilon is at most the target. On arrays fit now refuses those
+    layouts (another N than the config's, a batch_size other than its own)."""
     import dpcore
 
     cfg = DPConfig(
@@ -346,7 +347,23 @@ def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
     target = two_passes.epsilon(target_delta=cfg.target_delta, pld_discretization=FAST)
     rng = np.random.default_rng(0)
     x, y = rng.random((200, 5), dtype=np.float32), rng.random((200, 1), dtype=np.float32)
-    for kwargs in ({"batch_size": 20, "validation_split": 0.5}, {"batch_size": 40}):
+    # Arrays: fit trains on the config's N rows in batches of its size, or refuses.
+    for kwargs, refusal in (
+        ({"batch_size": 20, "validation_split": 0.5}, "num_examples=200"),
+        ({"batch_size": 40}, "batch_size=40"),
+    ):
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        dp = dpcore.make_private(
+            model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
+        )
+        with pytest.raises(ValueError, match=refusal):
+            dp.fit(x, y, epochs=50, verbose=0, **kwargs)
+        assert int(dp.optimizer.dp_steps) == 0
+    # Batched datasets of the user's own (shuffle accounting takes them as they are).
+    for data in (
+        tf.data.Dataset.from_tensor_slices((x[:100], y[:100])).batch(20),
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(40),
+    ):
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
         dp = dpcore.make_private(
             model, optimizer=keras.optimizers.SGD(0.1), loss="mse", config=cfg, seed=0
@@ -355,7 +372,7 @@ def test_guard_closes_a_pass_at_every_keras_epoch_under_shuffle_accounting():
             target_epsilon=target, config=cfg, verbose=0, pld_discretization=FAST
         )
         eps = EpsilonCallback(cfg, pld_discretization=FAST)
-        dp.fit(x, y, epochs=50, verbose=0, callbacks=[guard, eps], **kwargs)
+        dp.fit(data, epochs=50, verbose=0, callbacks=[guard, eps])
         assert eps.ledger.epochs == 2 and int(dp.optimizer.dp_steps) == 10  # two short epochs
         assert eps.epsilon() <= target
         assert guard.stopped_at == 10
@@ -444,10 +461,11 @@ def test_a_sigma_set_by_a_later_callback_is_accounted_as_it_ran():
 
 @pytest.mark.parametrize("callback", ["epsilon", "guard"])
 def test_poisson_account_of_keras_batches_is_refused(callback):
-    """fit on arrays runs Keras's fixed-size shuffled batches: a Poisson epsilon for them would
-    be an assumption, so both privacy callbacks refuse it before the first step; the same for a
-    dataset of (x, y) batches that carries no SamplingSpec (it only warned, and reported the
-    Poisson figure: 3.31 where the sound one for its shuffled batches was 8.79)."""
+    """fit on arrays under sampling="shuffle" runs Keras's fixed-size shuffled batches: a Poisson
+    epsilon for them would be an assumption, so both privacy callbacks refuse it before the first
+    step; a dataset of (x, y) batches that carries no SamplingSpec is refused too (it only warned,
+    and reported the Poisson figure: 3.31 where the sound one for its shuffled batches was
+    8.79), by fit itself under sampling="poisson"."""
     import dpcore
 
     cfg = _config()
@@ -459,9 +477,19 @@ def test_poisson_account_of_keras_batches_is_refused(callback):
         else PrivacyBudgetGuard(target_epsilon=5.0, config=cfg)
     )
     x, y = _data()
+    keras_batches = dpcore.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+        optimizer="sgd",
+        loss="mse",
+        sampling="shuffle",  # Keras's batches of arrays (fit's default samples Poisson ones)
+        l2_norm_clip=cfg.l2_norm_clip,
+        noise_multiplier=cfg.noise_multiplier,
+        expected_batch_size=cfg.expected_batch_size,
+        seed=0,
+    )
     with pytest.raises(ValueError, match="poisson_batches"):
-        dp.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[cb])
-    assert int(dp.optimizer.dp_steps) == 0  # refused before any step ran
+        keras_batches.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[cb])
+    assert int(keras_batches.optimizer.dp_steps) == 0  # refused before any step ran
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
     with pytest.raises(ValueError, match="poisson_batches"):
         dp.fit(ds, epochs=1, verbose=0, callbacks=[cb])
@@ -470,7 +498,7 @@ def test_poisson_account_of_keras_batches_is_refused(callback):
         keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
         optimizer="sgd",
         loss="mse",
-        config=cfg,
+        config=_config(sampling="shuffle"),
         seed=0,
     )
     shuffled = dpcore.sampling.shuffled_batches(x, y, batch_size=B, epochs=1, seed=0)
@@ -541,6 +569,9 @@ def test_a_per_user_account_of_untagged_rows_is_refused(sampling):
             seed=0,
         )
         kwargs = {"batch_size": B} if len(fit_args) == 2 else {}
-        with pytest.raises(ValueError, match="per 'user'"):
+        # Under Poisson fit refuses the batches itself, and on arrays its own sampler's spec
+        # names the example unit.
+        refusal = "per 'user'|privacy_unit='user'|batches without a dpcore.sampling.SamplingSpec"
+        with pytest.raises(ValueError, match=refusal):
             dp.fit(*fit_args, epochs=1, verbose=0, callbacks=[EpsilonCallback(cfg)], **kwargs)
         assert int(dp.optimizer.dp_steps) == 0

@@ -381,6 +381,7 @@ def test_make_private_fit_with_units(rng):
         metrics=["accuracy"],
         expected_batch_size=UNITS,
         options=ExecutionOptions(group_size=K),
+        sampling="shuffle",  # Keras's fixed unit-aligned batch (Poisson units: unit_batches)
     )
     for g, w in zip(got, want):
         np.testing.assert_allclose(-g, w, rtol=RTOL, atol=1e-7)
@@ -489,8 +490,21 @@ def test_fit_on_arrays_refuses_a_layout_that_mixes_units(rng):
         noise_multiplier=0.0,
         expected_batch_size=UNITS,
         options=ExecutionOptions(group_size=K),
+        sampling="shuffle",
     )
     with pytest.raises(ValueError, match="shuffle=False"):
         dp_model.fit(x, y, batch_size=UNITS * K, verbose=0)  # Keras shuffles rows by default
-    with pytest.raises(ValueError, match="multiple of"):
+    with pytest.raises(ValueError, match="batch_size=4"):  # not the 12 rows of 4 units
         dp_model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    # fit's own Poisson sampler draws single rows: units on arrays are refused there.
+    poisson = make_private(
+        BUILDERS["mlp"](),
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=LOSS,
+        l2_norm_clip=C,
+        noise_multiplier=0.0,
+        expected_batch_size=UNITS,
+        options=ExecutionOptions(group_size=K),
+    )
+    with pytest.raises(ValueError, match="group_size=.*unit_batches"):
+        poisson.fit(x, y, verbose=0)

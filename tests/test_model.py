@@ -51,6 +51,7 @@ def test_fit_with_noise0_clip_inf_equals_plain_keras_fit(rng):
         l2_norm_clip=math.inf,
         noise_multiplier=0.0,
         expected_batch_size=8,
+        sampling="shuffle",  # Keras's fixed-size batches, as the plain model trains on
     )
     plain = small_mlp()
     plain.compile(keras.optimizers.SGD(0.1, momentum=0.9), loss=LOSS, metrics=["accuracy"])
@@ -150,6 +151,7 @@ def test_fit_accumulates_sampler_chunks_and_traces_once(rng):
         l2_norm_clip=0.5,
         noise_multiplier=0.0,
         expected_batch_size=16,
+        sampling="shuffle",  # the same fixed batches of 16 as the chunks
     )
     big.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     for a, b in zip(weights(chunk_model.model), weights(big.model)):

@@ -290,7 +290,8 @@ def test_each_units_contribution_is_at_most_c(rng):
     for u in range(3):
         rows = ids == u
         model = _tiny_model()
-        dp_model, _ = _private(model, group_size=K, expected_batch_size=1.0)
+        # The config's N is the one unit sampled: fit refuses another N than the accounted one.
+        dp_model, _ = _private(model, group_size=K, expected_batch_size=1.0, num_units=1)
         before = [v.numpy() for v in model.trainable_variables]
         data = units.unit_batches(
             x[rows], y[rows], unit_ids=ids[rows], sampling_prob=1.0, steps=1,

@@ -1,0 +1,224 @@
+"""make_private(...).fit samples by itself: the sampling that runs is the one accounted for.
+
+Arrays and unbatched examples get fit's own Poisson sampler (the SamplingSpec of
+poisson_batches, q = expected_batch_size / N, steps_for_epochs(1) steps per epoch); fixed-size
+batches are opted into with sampling="shuffle"; everything else is refused before a step. The
+sampler's epochs have a known length in logical steps.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dpcore
+from dpcore import sampling
+from dpcore.accounting import steps_for_epochs
+from dpcore.callbacks import EpsilonCallback
+from dpcore.config import DPConfig
+
+N, B = 68, 3.0  # N / B = 22.67: 23 steps per epoch, 69 for three epochs
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _data(n=N):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+def _config(**kw):
+    base = dict(
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=B,
+        num_examples=N,
+        steps=69,
+        target_delta=1e-3,
+    )
+    return DPConfig(**{**base, **kw})
+
+
+def _private(config=None, **kw):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    return dpcore.make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=LOSS,
+        config=_config() if config is None else config,
+        **kw,
+    )
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Keras's epoch length as its progress bar sees it, and the optimizer's steps per epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps_param, self.steps_at_epoch_end = [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps_param.append(self.params.get("steps"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.steps_at_epoch_end.append(int(self.model.optimizer.dp_steps))
+
+
+@pytest.mark.parametrize("callbacks", [False, True])
+@pytest.mark.parametrize("feed", ["arrays", "examples"])
+def test_fit_on_arrays_and_examples_runs_the_configs_poisson_sampling(feed, callbacks):
+    """A Poisson config and fit(x, y, epochs=3): Keras's shuffled batches of 32 ran while the
+    config reported the Poisson epsilon. Now fit runs poisson_batches at the config's q for
+    steps_for_epochs(1) steps per epoch, 69 steps in all, the config's steps, with its epoch
+    length known from the first epoch; EpsilonCallback accounts exactly those steps."""
+    x, y = _data()
+    config = _config()
+    dp = _private(config)
+    recorder = _Recorder()
+    cbs = [recorder] + ([EpsilonCallback(config)] if callbacks else [])
+    data = (x, y) if feed == "arrays" else (tf.data.Dataset.from_tensor_slices((x, y)),)
+    dp.fit(*data, epochs=3, verbose=0, callbacks=cbs)
+    spec = dp.sampling_spec
+    assert spec is not None
+    assert (spec.sampling, spec.num_examples, spec.steps) == ("poisson", N, 23)
+    assert spec.sampling_prob == config.sampling_prob and spec.expected_batch_size == B
+    assert spec.padded_batch_size == sampling.padded_batch_size_for(N, sampling_prob=B / N)
+    spec.check_config(config)  # what EpsilonCallback checks: the accounted sampling ran
+    assert steps_for_epochs(1, num_examples=N, expected_batch_size=B) * 3 == 69
+    assert int(dp.optimizer.dp_steps) == 69 == config.steps
+    assert recorder.steps_param == [23, 23, 23]  # a total from the first epoch on
+    assert recorder.steps_at_epoch_end == [23, 46, 69]
+    if callbacks:
+        assert cbs[1].epsilon() == pytest.approx(config.epsilon(), rel=1e-6)
+
+
+def test_fits_own_samples_are_poisson_samples():
+    """The realized batches of fit's own sampler are Poisson samples at q (sizes vary around
+    q * N, every example can be drawn at every step): fixed-size batches would give B each."""
+    x, y = _data(400)
+    config = _config(num_examples=400, expected_batch_size=40.0, steps=10)
+    dp = _private(config, run_eagerly=True)
+    sizes, seen = [], []
+    original = dp.train_step
+
+    def train_step(data):
+        sizes.append(int(tf.reduce_sum(data.mask)))
+        seen.append(data.x.numpy()[data.mask.numpy() > 0])
+        return original(data)
+
+    dp.train_step = train_step
+    dp.fit(x, y, epochs=3, verbose=0)
+    assert len(sizes) == 30 and int(dp.optimizer.dp_steps) == 30
+    assert len(set(sizes)) > 3 and 30 <= np.mean(sizes) <= 50
+    rows = np.concatenate(seen)
+    # Each step's rows are distinct examples of x (a sample without replacement).
+    for step_rows in seen:
+        assert len({r.tobytes() for r in step_rows}) == len(step_rows)
+    known = {r.tobytes() for r in x}
+    assert all(r.tobytes() in known for r in rows)
+
+
+@pytest.mark.parametrize("callbacks", [False, True])
+def test_batched_data_without_a_spec_is_refused_under_poisson(callbacks):
+    """fit(tf.data...batch(64)) with a Poisson config trained on fixed-size batches with no
+    word unless EpsilonCallback was attached; now fit refuses it itself, naming both ways out."""
+    x, y = _data()
+    config = _config()
+    dp = _private(config)
+    cbs = [EpsilonCallback(config)] if callbacks else []
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(3)
+    with pytest.raises(ValueError, match="unbatched.*poisson_batches.*sampling='shuffle'"):
+        dp.fit(batched, epochs=1, verbose=0, callbacks=cbs)
+    assert int(dp.optimizer.dp_steps) == 0
+
+
+@pytest.mark.parametrize("callbacks", [False, True])
+def test_a_batch_size_that_contradicts_expected_batch_size_is_refused(callbacks):
+    """expected_batch_size=3 and fit(batch_size=10) trained on batches of 10 divided by 3 with
+    no word; now refused under both samplings, naming both ways out."""
+    x, y = _data()
+    for config in (_config(), _config(sampling="shuffle")):
+        dp = _private(config)
+        cbs = [EpsilonCallback(config)] if callbacks else []
+        with pytest.raises(ValueError, match=r"batch_size=10.*expected_batch_size=3.*sampling="):
+            dp.fit(x, y, batch_size=10, epochs=1, verbose=0, callbacks=cbs)
+        assert int(dp.optimizer.dp_steps) == 0
+    # Repeating the expected batch size is not a contradiction.
+    dp = _private(_config())
+    dp.fit(x, y, batch_size=3, epochs=1, verbose=0)
+    assert dp.sampling_spec.sampling == "poisson" and int(dp.optimizer.dp_steps) == 23
+
+
+def test_the_data_size_must_be_the_configs():
+    """q = expected_batch_size / N: fit on another N than the config's (fewer rows, or rows
+    split off by validation_split) would sample at another q than the one accounted."""
+    x, y = _data()
+    dp = _private()
+    with pytest.raises(ValueError, match=r"fit got 40 training examples.*num_examples=68"):
+        dp.fit(x[:40], y[:40], epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"fit got 54 training examples.*num_examples=68"):
+        dp.fit(x, y, validation_split=0.2, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="num_examples=68"):
+        dp.fit(sampling.poisson_batches(x[:40], y[:40], sampling_prob=3 / 40, steps=2), verbose=0)
+    assert int(dp.optimizer.dp_steps) == 0
+    # Without a config, N is the rows fit trains on (after the split).
+    free = dpcore.make_private(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+        optimizer="sgd",
+        loss=LOSS,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=B,
+    )
+    history = free.fit(x, y, validation_split=0.25, epochs=1, verbose=0)
+    assert free.sampling_spec.num_examples == 51 and "val_loss" in history.history
+    assert free.sampling_spec.sampling_prob == B / 51
+
+
+def test_fixed_size_batches_are_opted_into_and_accounted_as_such():
+    """sampling="shuffle" on the config: Keras's shuffled batches of expected_batch_size (its
+    default batch_size), and EpsilonCallback reports the no-amplification bound."""
+    x, y = _data(60)
+    config = _config(num_examples=60, expected_batch_size=6.0, sampling="shuffle", steps=20)
+    dp = _private(config)
+    assert dp.sampling == "shuffle"
+    eps = EpsilonCallback(config)
+    recorder = _Recorder()
+    dp.fit(x, y, epochs=2, verbose=0, callbacks=[eps, recorder])
+    assert recorder.steps_param == [10, 10] and int(dp.optimizer.dp_steps) == 20
+    assert dp.sampling_spec is None and dp.data_feed == "arrays"
+    assert eps.epsilon() == pytest.approx(config.epsilon(), rel=1e-6)
+    # Batched data of the configured size trains as given.
+    dp.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(6), verbose=0)
+    with pytest.raises(ValueError, match=r"\[4\] rows.*is 6"):
+        dp.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4, drop_remainder=True))
+    with pytest.raises(ValueError, match="conflicts with config.sampling"):
+        _private(config, sampling="poisson")
+
+
+def test_fit_refuses_what_its_poisson_sampler_cannot_carry():
+    x, y = _data()
+    dp = _private()
+    with pytest.raises(ValueError, match="sample_weight.*sampling='shuffle'"):
+        dp.fit(x, y, sample_weight=np.ones(N, "float32"), verbose=0)
+    with pytest.raises(ValueError, match="class_weight"):
+        dp.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, verbose=0)
+    accumulating = _private(_config(accumulation_steps=3))
+    with pytest.raises(ValueError, match="accumulation_steps=3"):
+        accumulating.fit(x, y, verbose=0)
+    assert int(dp.optimizer.dp_steps) == 0
+
+
+def test_a_sampler_epoch_has_its_length_in_logical_steps():
+    """The first epoch over poisson_batches showed 1/Unknown .. 17/Unknown. Keras now knows
+    spec.steps logical steps per epoch (overflow chunks do not count: a train-function call
+    runs whole steps), every epoch is a fresh pass and ends at a step boundary."""
+    x, y = _data(40)
+    dp = _private(_config(num_examples=40, expected_batch_size=20.0, steps=6))
+    # Padded size 5 for an expected 20: every step is several chunks.
+    data = sampling.poisson_batches(x, y, sampling_prob=0.5, steps=3, padded_batch_size=5)
+    recorder = _Recorder()
+    dp.fit(data, epochs=2, verbose=0, callbacks=[recorder])
+    assert recorder.steps_param == [3, 3]
+    assert recorder.steps_at_epoch_end == [3, 6]
+    assert sampling.passes_started(data) == 2
+    assert int(dp.optimizer.micro_steps) == 0
