@@ -245,60 +245,115 @@ def _inputs_spec(x: Any) -> Any:
     return tf.nest.map_structure(spec, x)
 
 
+_PROBE_EXAMPLES = 3  # example 0 and two others, each repeated `views` times
+_PROBE_SEED = 20240613  # graph-level seed of the probe's traces (tf.random ops replay)
+
+
+def _probe_leaf(spec: Any, examples: int, views: int, variant: int, leaf: int) -> tf.Tensor:
+    """One input leaf of the probe: ``examples`` examples, each repeated ``views`` times.
+
+    Example 0 is the same in every variant; the other examples differ in every entry between
+    variants 0 and 1 (floating: other normal draws; integers: 0 and 1 swapped, values any
+    vocabulary holds; bool: negated; strings: other bytes).
+    """
+    shape = [examples, *[3 if d is None else int(d) for d in tf.TensorShape(spec.shape)[1:]]]
+    dtype = tf.as_dtype(spec.dtype)
+    seed = [leaf, 13]
+    if dtype.is_floating or dtype.is_complex:
+        base = tf.random.stateless_normal(shape, seed=seed, dtype=tf.float32)
+        other = tf.random.stateless_normal(shape, seed=[leaf, 29], dtype=tf.float32) * 3.0 + 5.0
+        values = tf.cast(tf.concat([base[:1], (base if variant == 0 else other)[1:]], 0), dtype)
+    else:
+        bits = tf.random.stateless_uniform(shape, seed=seed, maxval=2, dtype=tf.int32)
+        flipped = tf.concat([bits[:1], 1 - bits[1:]], 0) if variant else bits
+        if dtype == tf.bool:
+            values = tf.cast(flipped, tf.bool)
+        elif dtype == tf.string:
+            values = tf.where(flipped > 0, "b", "a")
+        else:
+            values = tf.cast(flipped, dtype)
+    return tf.repeat(values, views, axis=0)
+
+
+def _views_of_example_0(augment_fn: Callable[[Any], Any], probe: Any, views: int) -> list[Any]:
+    """``augment_fn(probe)``'s rows of example 0 (the first ``views`` rows of every output).
+
+    A fresh trace with a fixed graph-level seed, so that TensorFlow's stateful random ops draw
+    the same numbers on every probe; the variables it reads (random generators' states, e.g.
+    a Keras ``RandomFlip``'s) are put back afterwards, so that every probe starts from the same
+    state and the user's state is unchanged.
+    """
+
+    def traced(batch: Any) -> Any:
+        tf.random.set_seed(_PROBE_SEED)  # inside a trace: this function graph's seed only
+        return augment_fn(batch)
+
+    function = tf.function(traced, autograph=False).get_concrete_function(probe)
+    saved = [(v, tf.identity(v.read_value())) for v in function.variables]
+    try:
+        out = function(probe)
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+    return [np.asarray(o[:views]) for o in tf.nest.flatten(out)]
+
+
+def _same_bits(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for x, y in zip(a, b)
+    )
+
+
 def check_augment_fn_rows(augment_fn: Callable[[Any], Any], inputs: Any, views: int) -> None:
     """Refuses an ``augment_fn`` whose views of one example depend on another example's rows.
 
-    A probe of two examples (``views`` rows each, random float inputs shaped like ``inputs``, a
-    structure of ``TensorSpec`` s or arrays with a batch axis) goes through ``augment_fn``; the
-    gradient of a random linear function of the first example's output rows with respect to the
-    second example's input rows must be zero. This catches batch statistics (centring by the batch
-    mean), mixing across examples (mixup, ``tf.roll`` over the batch) and any other
-    differentiable dependence; a function that is not differentiable in its inputs, or inputs
-    without a floating leaf, cannot be probed this way and pass unchecked.
+    Checked by values, on every input leaf whatever its dtype: a probe batch of three examples
+    (each repeated ``views`` times, shaped like ``inputs``: a structure of ``TensorSpec`` s or
+    arrays with a batch axis) goes through ``augment_fn``; then the two other examples are
+    changed in every entry (floating, integer, bool and string leaves, dicts included) and
+    example 0's views must come out bit-for-bit equal. Random augmentations replay the same
+    draws on both probes (a fixed seed for TensorFlow's random ops, random generators' states
+    restored), so per-example randomness passes; a function that gives other views of the same
+    batch under those conditions is refused, since its rows cannot be checked. This catches
+    batch statistics whatever their gradient (a batch mean or standard deviation, also through
+    ``tf.stop_gradient``), mixup, ``tf.roll`` over the batch and tokens copied across examples.
 
     Raises:
-      ValueError: naming the dependence.
+      ValueError: naming the dependence and the fix.
 
     Privacy:
       A row-mixing augmentation makes every example's clipped gradient depend on the others, so
-      one example could move the update by more than C (measured: 4.6 C by batch centring).
+      one example could move the update by more than C (measured: 4.6 C by batch centring,
+      3.47 C by a stop_gradient batch standardization, 2.05 C by a token copied from another
+      example).
     """
     specs = tf.nest.flatten(inputs)
-    if not any(tf.as_dtype(s.dtype).is_floating for s in specs):
-        return
-    rows = 2 * views
-    leaves = []
-    for j, s in enumerate(specs):
-        shape = [rows, *[1 if d is None else int(d) for d in tf.TensorShape(s.shape)[1:]]]
-        dtype = tf.as_dtype(s.dtype)
-        if dtype.is_floating:
-            leaves.append(tf.random.stateless_normal(shape, seed=[j, 7], dtype=dtype))
-        else:
-            leaves.append(tf.zeros(shape, dtype))
-    probe = tf.nest.pack_sequence_as(inputs, leaves)
-    watched = [t for t in leaves if t.dtype.is_floating]
-    with tf.GradientTape() as tape:
-        tape.watch(watched)
-        out = tf.nest.flatten(augment_fn(probe))
-        target = tf.add_n(
-            [
-                tf.reduce_sum(
-                    tf.cast(o[:views], tf.float32)
-                    * tf.random.stateless_normal(tf.shape(o[:views]), seed=[k, 11])
-                )
-                for k, o in enumerate(out)
-                if tf.as_dtype(o.dtype).is_floating
-            ]
-            or [tf.zeros([])]
+    probes = [
+        tf.nest.pack_sequence_as(
+            inputs,
+            [_probe_leaf(s, _PROBE_EXAMPLES, views, variant, j) for j, s in enumerate(specs)],
         )
-    for g in tape.gradient(target, watched):
-        if g is not None and bool(tf.reduce_any(tf.not_equal(g[views:], 0))):
-            raise ValueError(
-                "augment_fn mixes examples: the views it makes of one example depend on another "
-                "example's rows (e.g. batch statistics, mixup or tf.roll over the batch), so one "
-                "example could move every other example's clipped gradient. It must treat each "
-                "example's rows (rows i*K .. i*K+K-1 of the repeated batch) on their own."
-            )
+        for variant in (0, 1)
+    ]
+    first = _views_of_example_0(augment_fn, probes[0], views)
+    if not _same_bits(first, _views_of_example_0(augment_fn, probes[0], views)):
+        raise ValueError(
+            "augment_fn cannot be checked: the same batch gave other views under a fixed "
+            "TensorFlow seed with its random generators' states restored (randomness from "
+            "Python or NumPy?), so whether it mixes examples is unknown. Draw its randomness "
+            "with tf.random / keras.random ops (per example), or precompute the views."
+        )
+    if not _same_bits(first, _views_of_example_0(augment_fn, probes[1], views)):
+        raise ValueError(
+            "augment_fn mixes examples: the views it makes of one example change when other "
+            "examples' rows change (e.g. batch statistics such as a batch mean or standard "
+            "deviation, also under tf.stop_gradient; mixup, tf.roll over the batch, tokens "
+            "copied from another example), so one example could move every other example's "
+            "clipped gradient. Use per-example statistics, or statistics of the training set "
+            "computed beforehand (constants), and treat each example's rows (rows "
+            "i*K .. i*K+K-1 of the repeated batch) on their own."
+        )
 
 
 class _CheckSamplerStart(keras.callbacks.Callback):
@@ -334,8 +389,8 @@ class DPModel(keras.Model):
         fast path never forms per-view gradients). Metrics and the loss see every view.
       augment_fn: ``x -> x`` applied to the repeated batch (rows ``i*K .. i*K+K-1`` are the
         views of example ``i``), inside the compiled step; it must treat examples independently
-        (``fit`` refuses one whose views of one example depend, differentiably, on another
-        example's rows: :func:`check_augment_fn_rows`). None keeps the views identical. Not
+        (``fit`` refuses one whose views of one example change with another example's rows,
+        checked by values: :func:`check_augment_fn_rows`). None keeps the views identical. Not
         saved with the model.
       target_delta: δ of the ε the model reports (:meth:`epsilon`, the ``epsilon`` log).
       neighboring: the adjacency of that ε, ``"add_remove"`` (default) or ``"replace_one"``.

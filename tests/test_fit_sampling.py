@@ -3,7 +3,7 @@
 Arrays and unbatched examples get fit's own Poisson sampler (the SamplingSpec of
 poisson_batches, q = expected_batch_size / N, steps_for_epochs(1) steps per epoch); fixed-size
 batches are opted into with sampling="shuffle"; everything else is refused before a step. The
-sampler's epochs have a known length in logical steps.
+sampler's epochs have a known length in logical steps, and augment_fn is checked by values.
 """
 
 import keras
@@ -16,6 +16,7 @@ from dpcore import sampling
 from dpcore.accounting import steps_for_epochs
 from dpcore.callbacks import EpsilonCallback
 from dpcore.config import DPConfig
+from dpcore.model import check_augment_fn_rows
 
 N, B = 68, 3.0  # N / B = 22.67: 23 steps per epoch, 69 for three epochs
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -222,3 +223,112 @@ def test_a_sampler_epoch_has_its_length_in_logical_steps():
     assert recorder.steps_at_epoch_end == [3, 6]
     assert sampling.passes_started(data) == 2
     assert int(dp.optimizer.micro_steps) == 0
+
+
+# ------------------------------------------------------------------------------ augment_fn
+
+
+def _standardize_with_batch_statistics(t):
+    """A common way to write it: the batch's mean and std, held constant for the gradient."""
+    mean = tf.stop_gradient(tf.reduce_mean(t, 0, keepdims=True))
+    std = tf.stop_gradient(tf.math.reduce_std(t, 0, keepdims=True))
+    return (t - mean) / (std + 1e-6)
+
+
+def _copy_a_token_from_the_next_example(t):
+    return tf.concat([tf.roll(t, -1, axis=0)[:, :1], t[:, 1:]], axis=1)
+
+
+def test_a_stop_gradient_batch_standardization_is_refused():
+    """augmentations=2 with a batch standardization under tf.stop_gradient was accepted (the
+    gradient probe saw zero) and moved the clipped sum by 3.47 C; refused now, by values."""
+    x, y = _data()
+    dp = _private(augmentations=2, augment_fn=_standardize_with_batch_statistics)
+    with pytest.raises(ValueError, match="mixes examples.*batch statistics|mixes examples"):
+        dp.fit(x, y, epochs=1, verbose=0)
+    assert int(dp.optimizer.dp_steps) == 0
+    with pytest.raises(ValueError, match="per-example statistics.*training set"):
+        check_augment_fn_rows(
+            _standardize_with_batch_statistics, tf.TensorSpec([None, 4], tf.float32), 2
+        )
+
+
+def test_an_augment_fn_on_integer_tokens_that_copies_across_examples_is_refused():
+    """No floating input: the gradient probe returned without a check, and a token copied from
+    another example moved the clipped sum by 2.05 C. Integer inputs are probed by values too."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, (N, 6)).astype("int32")
+    y = rng.integers(0, 3, N).astype("int32")
+    model = keras.Sequential(
+        [
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(50, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+    )
+    dp = dpcore.make_private(
+        model,
+        optimizer="sgd",
+        loss=LOSS,
+        config=_config(),
+        augment_fn=_copy_a_token_from_the_next_example,
+    )
+    with pytest.raises(ValueError, match="mixes examples"):
+        dp.fit(tokens, y, epochs=1, verbose=0)
+    assert int(dp.optimizer.dp_steps) == 0
+    for spec in (tf.TensorSpec([None, 6], tf.int32), tf.TensorSpec([None, 6], tf.int64)):
+        with pytest.raises(ValueError, match="mixes examples"):
+            check_augment_fn_rows(_copy_a_token_from_the_next_example, spec, 1)
+    # In a dict, next to a floating leaf that it leaves alone.
+    specs = {"ids": tf.TensorSpec([None, 6], tf.int32), "w": tf.TensorSpec([None, 2], tf.float32)}
+    with pytest.raises(ValueError, match="mixes examples"):
+        check_augment_fn_rows(
+            lambda d: {"ids": _copy_a_token_from_the_next_example(d["ids"]), "w": d["w"]}, specs, 2
+        )
+    check_augment_fn_rows(lambda d: {"ids": d["ids"][:, ::-1], "w": -d["w"]}, specs, 2)
+
+
+def test_per_example_random_augmentations_are_accepted():
+    """Random flips and crops drawn per example (TensorFlow ops, a Keras layer with its own
+    generator) pass: the probe replays their draws; the user's generator state is unchanged."""
+    flip = keras.layers.RandomFlip("horizontal", seed=3)
+    state = np.array(flip.generator.state)
+
+    def crop(t):  # a random 4x4 window of the 6x6 zero-padded image, per example
+        offsets = tf.random.uniform([tf.shape(t)[0], 2], 0, 3, dtype=tf.int32)
+        padded = tf.pad(t, [[0, 0], [1, 1], [1, 1], [0, 0]])
+        return tf.map_fn(
+            lambda a: tf.slice(a[0], [a[1][0], a[1][1], 0], [4, 4, 1]),
+            (padded, offsets),
+            fn_output_signature=t.dtype,
+        )
+
+    spec = tf.TensorSpec([None, 4, 4, 1], tf.float32)
+    for augment in (
+        lambda t: tf.image.random_flip_left_right(t),
+        lambda t: flip(t, training=True),
+        crop,
+        lambda t: crop(tf.image.random_flip_up_down(t)),
+    ):
+        check_augment_fn_rows(augment, spec, 4)
+    np.testing.assert_array_equal(np.array(flip.generator.state), state)
+    x = np.random.default_rng(1).normal(size=(N, 4, 4, 1)).astype("float32")
+    y = np.random.default_rng(2).integers(0, 3, N).astype("int32")
+    model = keras.Sequential(
+        [keras.Input((4, 4, 1)), keras.layers.Flatten(), keras.layers.Dense(3)]
+    )
+    dp = dpcore.make_private(
+        model, optimizer="sgd", loss=LOSS, config=_config(), augmentations=2, augment_fn=crop
+    )
+    dp.fit(x, y, epochs=1, verbose=0)
+    assert int(dp.optimizer.dp_steps) == 23
+
+
+def test_an_augment_fn_whose_views_cannot_be_replayed_is_refused():
+    """NumPy randomness at trace time gives other views of the same batch on every trace; the
+    probe cannot tell whether they depend on other examples, so it refuses rather than skips."""
+    with pytest.raises(ValueError, match="cannot be checked"):
+        check_augment_fn_rows(
+            lambda t: t * np.float32(np.random.rand()), tf.TensorSpec([None, 3], tf.float32), 1
+        )
