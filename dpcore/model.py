@@ -58,7 +58,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -80,11 +80,20 @@ from dpcore.step import dp_step
 __all__ = ["DPModel", "make_private"]
 
 
+class _WeightedLabels(NamedTuple):
+    """Labels and per-example weights carried together through ``fit``'s own sampler."""
+
+    y: Any
+    sample_weight: Any
+
+
 def _unpack(data: Any) -> tuple[Any, Any, Any, Any, Any]:
     """``(x, y, sample_weight, mask, step_end)`` from any accepted batch layout."""
     batch = sampling.as_sampled_batch(data)
     if batch is not None:
         # A copy per row after multi-replica splitting: dp_step folds it back to one flag.
+        if isinstance(batch.y, _WeightedLabels):
+            return batch.x, batch.y.y, batch.y.sample_weight, batch.mask, batch.step_end
         return batch.x, batch.y, None, batch.mask, batch.step_end
     if isinstance(data, list):
         data = tuple(data)
@@ -172,6 +181,28 @@ def _examples_of(dataset: tf.data.Dataset) -> tuple[Any, Any, Any]:
         raise ValueError("The dataset is empty.")
     merged = tf.nest.map_structure(lambda *rows: np.concatenate(rows, axis=0), *parts)
     return (*merged, None)[:3]
+
+
+def _sample_weights(sample_weight: Any, class_weight: Any, y: Any, n: int) -> Any:
+    """float32 ``[N]`` weights of ``fit``'s ``sample_weight`` or ``class_weight`` (Keras's rule:
+    the weight of each example's class), or None."""
+    if sample_weight is not None and class_weight:
+        raise ValueError("give sample_weight or class_weight, not both.")
+    if sample_weight is not None:
+        weights = np.asarray(sample_weight, np.float32)
+        if weights.shape not in ((n,), (n, 1)):
+            raise ValueError(f"sample_weight must have shape [{n}], got {weights.shape}.")
+        return weights.reshape(n)
+    if not class_weight:
+        return None
+    labels = np.asarray(y) if not isinstance(y, (dict, list, tuple)) else None
+    if labels is None or labels.ndim > 2:
+        raise ValueError("class_weight needs one array of labels (class indices or one-hot).")
+    classes = labels.argmax(-1) if labels.ndim == 2 and labels.shape[1] > 1 else labels.reshape(n)
+    missing = sorted({int(c) for c in np.unique(classes)} - {int(k) for k in class_weight})
+    if missing:
+        raise ValueError(f"class_weight has no weight for class(es) {missing}.")
+    return np.array([class_weight[int(c)] for c in classes], np.float32)
 
 
 def _split_validation(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -510,8 +541,9 @@ class DPModel(keras.Model):
           ``dpcore.accounting.steps_for_epochs(1)`` = ceil(N / B) logical steps (or
           ``steps_per_epoch``), each of a fresh Poisson sample: E epochs run
           ``steps_for_epochs(E)`` steps. ``batch_size`` may only repeat ``expected_batch_size``;
-          ``sample_weight``, ``class_weight``, ``accumulation_steps > 1`` and units of several
-          rows are refused there (they need ``sampling="shuffle"`` or a sampler of your own).
+          ``sample_weight`` and ``class_weight`` travel with the sampled rows;
+          ``accumulation_steps > 1`` and units of several rows are refused there (they need
+          ``sampling="shuffle"`` or a sampler of your own).
         - The same under ``sampling="shuffle"``: Keras's shuffled fixed-size batches of
           ``expected_batch_size / accumulation_steps`` rows (``batch_size`` defaults to it and
           may not contradict it), accounted without amplification.
@@ -736,8 +768,6 @@ class DPModel(keras.Model):
                 "amplification)."
             )
         refused = {
-            "sample_weight": arguments.get("sample_weight") is not None,
-            "class_weight": bool(arguments.get("class_weight")),
             f"accumulation_steps={optimizer.accumulation_steps}": optimizer.accumulation_steps != 1,
             f"ExecutionOptions(group_size={self.options.group_size})": self.options.group_size > 1,
         }
@@ -758,8 +788,14 @@ class DPModel(keras.Model):
         steps = arguments.get("steps_per_epoch") or steps_for_epochs(
             1, num_examples=n, expected_batch_size=b
         )
+        labels = arguments["y"]
+        weights = _sample_weights(
+            arguments.get("sample_weight"), arguments.get("class_weight"), labels, n
+        )
+        if weights is not None:
+            labels = _WeightedLabels(labels, weights)
         data = sampling.poisson_batches(
-            arguments["x"], arguments["y"], sampling_prob=b / n, steps=int(steps)
+            arguments["x"], labels, sampling_prob=b / n, steps=int(steps)
         )
         dropped = ("y", "batch_size", "sample_weight", "class_weight", "shuffle", "steps_per_epoch")
         return {**{k: v for k, v in arguments.items() if k not in dropped}, "x": data}
@@ -1346,7 +1382,8 @@ class DPModel(keras.Model):
         def zero_row(s: tf.TensorSpec) -> tf.Tensor:
             return tf.zeros([1, *s.shape[1:]], s.dtype)
 
-        x0, y0 = tf.nest.map_structure(zero_row, (spec.x, spec.y))
+        y_spec = spec.y.y if isinstance(spec.y, _WeightedLabels) else spec.y
+        x0, y0 = tf.nest.map_structure(zero_row, (spec.x, y_spec))
         with self.distribute_strategy.scope():
             # The zero row is no data: a layer that writes state in its call (refused when the
             # step is traced) must not keep what this call wrote.

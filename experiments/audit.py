@@ -9,7 +9,7 @@ the canary label (lower loss = guess "included"), and reports the empirical ε l
 Contract:
   * Flags live here only; `run_audit(settings)` takes a plain `AuditSettings` and returns the
     results dict, so tests can call it without absl flags.
-  * Sampling (`sampling_plan`): q = batch_size / N' and steps = ceil(epochs / q), with
+  * Sampling (`sampling_plan`): q = batch_size / N' and steps = `steps_for_epochs(epochs)`, with
     N' = (train split - m) + m the pool of every record that could be trained on, so q, the
     steps and the claimed ε do not depend on the coins. The realized training set (N' minus
     the excluded canaries, N records) is Poisson-sampled with that q and, as dpcore requires,
