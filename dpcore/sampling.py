@@ -591,7 +591,19 @@ def _per_iteration(words: tuple[int, int], body: Any) -> tf.data.Dataset:
 
 
 def _to_tensors(tree: Any) -> Any:
-    return tf.nest.map_structure(tf.convert_to_tensor, tree)
+    """Tensors of ``tree``, its lists as tuples (a tf.data element holds no list: the labels of
+    a list of outputs come out as a tuple, which Keras takes the same way)."""
+    if isinstance(tree, list):
+        tree = tuple(tree)
+    if isinstance(tree, (tuple, dict)) and not hasattr(tree, "_fields"):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        converted = {k: _to_tensors(v) for k, v in items}
+        return (
+            converted if isinstance(tree, dict) else tuple(converted[i] for i in range(len(tree)))
+        )
+    if hasattr(tree, "_fields"):  # a named tuple keeps its type
+        return type(tree)(*(_to_tensors(v) for v in tree))
+    return tf.convert_to_tensor(tree)
 
 
 def _gather_padded(tree: Any, indices: tf.Tensor, padded_size: int) -> Any:

@@ -363,8 +363,10 @@ def test_one_record_with_an_extreme_sample_weight_moves_the_sum_by_at_most_c(rec
 
 
 class _ClassWeighted:
-    """make_private(...).fit on arrays (σ = 0, SGD lr 1, expected batch size 1: the update is
-    minus the clipped sum); the record is the only row of class 2."""
+    """make_private(...).fit on one fixed batch of every row (σ = 0, SGD lr 1, expected batch
+    size 1: the update is minus the clipped sum); the record is the only row of class 2. A
+    fixed batch whose size is not the expected batch size is a dataset under
+    sampling="shuffle" (on arrays fit refuses the contradiction)."""
 
     def __init__(self) -> None:
         keras.utils.set_random_seed(0)
@@ -377,6 +379,7 @@ class _ClassWeighted:
             noise_multiplier=0.0,
             expected_batch_size=1.0,
             options=ExecutionOptions(nonfinite="skip"),
+            sampling="shuffle",
         )
         self.start = [v.numpy() for v in model.trainable_variables]
 
@@ -384,7 +387,8 @@ class _ClassWeighted:
         model = self.dp.model
         for v, s in zip(model.trainable_variables, self.start):
             v.assign(s)
-        self.dp.fit(x, y, batch_size=len(x), class_weight=class_weight, shuffle=False, verbose=0)
+        batch = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
+        self.dp.fit(batch, class_weight=class_weight, verbose=0)
         return np.concatenate(
             [
                 (s - v.numpy()).astype(np.float64).ravel()
