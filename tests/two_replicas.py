@@ -9,7 +9,6 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import tensorflow as tf  # noqa: E402
