@@ -8,10 +8,8 @@ import tensorflow as tf
 import dpcore
 import dpcore.engine as engine
 from dpcore import aggregation
-from dpcore.engine import vectorized
 from dpcore.options import ExecutionOptions
 from dpcore.testing import (
-    assert_sq_norm_bound,
     reference_clipped_mean,
     reference_input_gradients,
     reference_per_example_gradients,
@@ -266,66 +264,3 @@ def test_grouped_conv_takes_the_per_example_loop_and_matches_the_reference(rng):
     norms = dpcore.per_example_norms(model, loss, x, y)  # the whole-model fallback of "auto"
     ref = np.sqrt(sum(np.sum(w.reshape(3, -1) ** 2, axis=1) for w in want))
     np.testing.assert_allclose(np.asarray(norms), ref, rtol=1e-5)
-
-
-def _einsum_dense_model():
-    """The model of the oneDNN report: EinsumDense on 3-D inputs, pooling, Dense(1)."""
-    inp = keras.Input((6, 16))
-    h = keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 8))(inp)
-    return keras.Model(inp, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(h)))
-
-
-MSE = keras.losses.MeanSquaredError(reduction=None)
-
-
-def test_broadcast_batch_matmul_finds_what_vectorized_map_makes_of_einsum_dense():
-    """pfor turns EinsumDense's ``[1, T, D] x [D, E]`` into ``[B, 1, T, D] x [D, E]``, the product
-    on which TensorFlow 2.21's oneDNN matmul corrupts the heap; the per-example program itself
-    and Dense on 3-D inputs (a rank-2 product) are not reported."""
-    model = _einsum_dense_model()
-    dense = keras.Sequential([keras.Input((6, 16)), keras.layers.Dense(8)])
-
-    def per_example(model):
-        def one(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tf.square(model(x[None])))
-            return tape.gradient(loss, model.trainable_variables)
-
-        return one
-
-    def graph(fn, shape):
-        return tf.function(fn).get_concrete_function(tf.TensorSpec(shape)).graph
-
-    one = per_example(model)
-    found = vectorized.broadcast_batch_matmul(
-        graph(lambda x: tf.vectorized_map(one, x), [4, 6, 16])
-    )
-    assert found is not None and "einsum_dense" in found, found
-    assert "([4, 1, 6, 16] x [16, 8])" in found, found
-    assert vectorized.broadcast_batch_matmul(graph(one, [6, 16])) is None
-    per_row = per_example(dense)
-    assert (
-        vectorized.broadcast_batch_matmul(
-            graph(lambda x: tf.vectorized_map(per_row, x), [4, 6, 16])
-        )
-        is None
-    )
-
-
-@pytest.mark.skipif(
-    bool(tf.config.list_logical_devices("GPU")), reason="the loop is taken where the CPU runs it"
-)
-def test_vectorized_path_never_builds_the_product_onednn_corrupts(rng):
-    """On a CPU the vectorized path loops over examples where vectorizing would build a
-    broadcast rank-4 batched matmul, and still matches the reference."""
-    model = _einsum_dense_model()
-    x = rng.normal(size=(8, 6, 16)).astype("float32")
-    y = rng.normal(size=(8, 1)).astype("float32")
-    options = ExecutionOptions(method="vectorized", training=False)
-    step = tf.function(lambda x, y: engine.summarize(model, MSE, x, y, options=options).sq_norms)
-    with pytest.warns(RuntimeWarning, match="loop over examples"):
-        traced = step.get_concrete_function(x, y)
-    assert vectorized.broadcast_batch_matmul(traced.graph) is None
-    got = np.asarray(dpcore.per_example_norms(model, MSE, x, y, options=options), np.float64)
-    ref = reference_per_example_norms(reference_per_example_gradients(model, MSE, x, y))
-    assert_sq_norm_bound(got**2, np.asarray(ref, np.float64) ** 2)

@@ -10,14 +10,6 @@ the weighted sum in a second, so peak memory is bounded by one chunk's gradients
 still clipped on its own. With privacy units of several rows (``options.group_size = K``) the mapped
 element is a unit: the model runs on the unit's ``K`` rows as one small batch and the gradient is
 that of the unit's summed (weighted) loss, so only ``[U, *var.shape]`` gradients are formed.
-
-On a machine without a GPU, a model whose vectorized program would contain a batched matmul with
-broadcast batch axes and a rank-4 or higher result (:func:`broadcast_batch_matmul`; e.g. an
-``EinsumDense``'s ``[B, T, D] x [D, E]`` product, which ``vectorized_map`` turns into
-``[B, 1, T, D] x [D, E]``) takes the ``tf.map_fn`` loop instead, with a one-time warning: TensorFlow
-2.21's oneDNN CPU kernels, on by default on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX, corrupt
-the heap on that product (the process aborts, or a gradient comes back NaN or wrong). In the loop
-each example runs the layer's own ``[1, T, D] x [D, E]`` product, as Keras does at batch size one.
 """
 
 from __future__ import annotations
@@ -43,7 +35,6 @@ from dpcore.engine.summary import (
 from dpcore.options import ExecutionOptions, resolve
 
 _WARNED: weakref.WeakSet = weakref.WeakSet()
-_WARNED_LOOP: weakref.WeakSet = weakref.WeakSet()
 
 
 def _per_example_fn(
@@ -108,21 +99,15 @@ def _unvectorizable_layer(model: Any) -> str | None:
 
 
 def _map(fn: Callable, elems: Any, model: Any) -> Any:
-    """vectorized_map, or a map_fn loop (with a one-time warning) where pfor cannot convert or
-    where the converted program would build a product that oneDNN mishandles."""
+    """vectorized_map, or a map_fn loop (with a one-time warning) where pfor cannot convert."""
     reason = _unvectorizable_layer(model) if isinstance(model, keras.layers.Layer) else None
     if reason is None:
         try:
-            converted = _converted(fn, elems)
+            return _vectorized(fn, elems)
         except Exception as err:  # pfor raises various errors at trace time
             # Errors that are not about vectorization (bad loss shape, ...) surface here,
             # unwrapped, when one example is traced on its own.
             reason = f"{type(err).__name__}: {_first_line(err)}"
-        else:
-            product = _cpu_hazard(converted)
-            if product is None:
-                return converted(elems)
-            return _loop(fn, elems, model, product)
     signature = _signature(fn, elems)
     if model not in _WARNED:
         _WARNED.add(model)
@@ -136,102 +121,20 @@ def _map(fn: Callable, elems: Any, model: Any) -> Any:
     return tf.map_fn(fn, elems, fn_output_signature=signature, parallel_iterations=8)
 
 
-def map_examples(fn: Callable, elems: Any, owner: Any) -> Any:
-    """``tf.vectorized_map(fn, elems)``, or the ``tf.map_fn`` loop (warning once per ``owner``)
-    where the vectorized program would contain a :func:`broadcast_batch_matmul` on a CPU.
-
-    Errors of the conversion itself propagate.
-    """
-    converted = _converted(fn, elems)
-    product = _cpu_hazard(converted)
-    if product is None:
-        return converted(elems)
-    return _loop(fn, elems, owner, product)
-
-
-def _loop(fn: Callable, elems: Any, owner: Any, product: str) -> Any:
-    if owner not in _WARNED_LOOP:
-        _WARNED_LOOP.add(owner)
-        warnings.warn(
-            f"dpcore: per-example gradients of {getattr(owner, 'name', owner)!r} take a loop over "
-            f"examples (tf.map_fn), which is slower: vectorizing them would build the batched "
-            f"matmul {product}, whose broadcast batch axes TensorFlow 2.21's oneDNN CPU kernels "
-            "mishandle (heap corruption).",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    signature = _signature(fn, elems)
-    return tf.map_fn(fn, elems, fn_output_signature=signature, parallel_iterations=8)
-
-
-def _converted(fn: Callable, elems: Any) -> Any:
-    """``tf.vectorized_map(fn, elems)`` as a concrete function traced in a graph of its own.
+def _vectorized(fn: Callable, elems: Any) -> Any:
+    """``tf.vectorized_map(fn, elems)``, converted in a function graph of its own and then called.
 
     A conversion that fails part-way (e.g. pfor on the ``TensorList`` ops of a masked LSTM's while
     loop) would otherwise leave its converted ops in the caller's graph, where a stateful one still
-    runs, and fails, after the fallback was chosen; in a graph of its own, a failed attempt
-    leaves nothing behind. Its graph can be inspected before it runs.
+    runs, and fails, after the fallback below was chosen; in a graph of its own, a failed attempt
+    leaves nothing behind.
     """
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), elems)
 
     def vectorized(elems: Any) -> Any:
         return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
 
-    return tf.function(vectorized, autograph=False).get_concrete_function(specs)
-
-
-def _cpu_hazard(converted: Any) -> str | None:
-    """The first :func:`broadcast_batch_matmul` of ``converted``'s graph where its products run
-    on the CPU (no GPU visible), else None."""
-    if tf.config.list_logical_devices("GPU"):
-        return None
-    return broadcast_batch_matmul(converted.graph)
-
-
-_BATCH_MATMULS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
-
-
-def broadcast_batch_matmul(graph: Any) -> str | None:
-    """A batched matmul in ``graph`` (or a function it calls) whose two operands have different
-    batch shapes and whose result has rank 4 or more, described for a message; None if none.
-
-    This is the product on which TensorFlow 2.21's oneDNN matmul corrupts the heap (a rank-4 left
-    operand with a size-1 axis times a broadcast rank-2 right operand, ``[B, 1, T, D] x [D, E]``,
-    as ``vectorized_map`` makes of a ``[1, T, D] x [D, E]`` product). Products whose batch shapes
-    are equal, rank-2 ``MatMul`` and rank-3 broadcasts (Keras's own ``[B, T, D] x [D, E]``) are
-    not reported. An operand of unknown rank counts as broadcast.
-    """
-    seen: set[int] = set()
-    pending = [graph]
-    while pending:
-        g = pending.pop()
-        if id(g) in seen:
-            continue
-        seen.add(id(g))
-        for op in g.get_operations():
-            if op.type in _BATCH_MATMULS and _broadcast_rank4(op):
-                a, b = (t.shape for t in op.inputs[:2])
-                name = op.name.removeprefix("loop_body/")
-                return f"{name} ({_dims(a)} x {_dims(b)})"
-        # Functions called by the graph (while-loop bodies, conditionals) hold ops of their own.
-        pending.extend(
-            f.graph for f in getattr(g, "_functions", {}).values() if hasattr(f, "graph")
-        )
-    return None
-
-
-def _broadcast_rank4(op: Any) -> bool:
-    a, b = (t.shape for t in op.inputs[:2])
-    if a.rank is None or b.rank is None:
-        return True
-    batch_a, batch_b = list(a)[:-2], list(b)[:-2]
-    if max(len(batch_a), len(batch_b)) + 2 < 4:
-        return False
-    return len(batch_a) != len(batch_b) or any(x != y for x, y in zip(batch_a, batch_b))
-
-
-def _dims(shape: Any) -> str:
-    return "?" if shape.rank is None else "[" + ", ".join(str(d) for d in shape) + "]"
+    return tf.function(vectorized, autograph=False).get_concrete_function(specs)(elems)
 
 
 def _first_line(err: Exception) -> str:
