@@ -207,8 +207,9 @@ def test_sigma0_update_equals_plain_keras_with_regularizers_and_weighted_outputs
     for got, want, start in zip(_weights(model), _weights(plain), before):
         assert np.abs(want - start).max() > 1e-3  # the step moved every variable
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    # The total and each output's loss ("a_loss", "b_loss") as Keras logs them.
-    assert set(h_dp) == set(h_plain) == {"loss", "a_loss", "b_loss"}
+    # The total and each output's loss as Keras logs them, plus the epsilon spent.
+    assert set(h_plain) == {"loss", "a_loss", "b_loss"}
+    assert set(h_dp) == set(h_plain) | {"epsilon"}
     for key in h_plain:
         np.testing.assert_allclose(h_dp[key], h_plain[key], rtol=1e-6)
 
@@ -427,7 +428,7 @@ def test_several_outputs_fit_on_sampler_batches_and_evaluate_as_keras(rng):
     )
     batches = dpcore.sampling.poisson_batches(x, y, sampling_prob=0.5, steps=3)
     history = dp.fit(batches, verbose=0).history
-    assert set(history) == {"loss", "a_loss", "b_loss", "a_accuracy"}
+    assert set(history) == {"loss", "a_loss", "b_loss", "a_accuracy", "epsilon"}
     plain = two_outputs(as_dict=False)
     plain.compile(loss=LOSSES, loss_weights=LOSS_WEIGHTS, metrics={"a": ["accuracy"]})
     plain.set_weights(model.get_weights())
