@@ -270,3 +270,17 @@ def test_zero_noise_warns_once_per_optimizer_that_the_run_is_not_private():
     assert len(messages) == 3, messages
     assert all("NOT differentially private (epsilon = inf)" in m for m in messages), messages
     assert all(w.category is UserWarning for w in caught if "noise_multiplier=0" in str(w.message))
+
+
+def test_field_names_follow_tf_nest_flatten_order():
+    """The name given for a bad leaf is that of the leaf ``tf.nest.flatten`` puts at its index."""
+    import collections
+
+    from dpcore.engine.summary import field_names
+
+    pair = collections.namedtuple("pair", "z a")
+    structure = {"b": [1.0, {"z": 2.0, "c": 3.0}], "a": pair(4.0, 5.0), "c": 6.0}
+    names = field_names(structure, "x")
+    assert names == ["x[a][z]", "x[a][a]", "x[b][0]", "x[b][1][c]", "x[b][1][z]", "x[c]"]
+    assert tf.nest.flatten(structure) == [4.0, 5.0, 1.0, 3.0, 2.0, 6.0]
+    assert field_names(np.zeros(3), "y") == ["y"]

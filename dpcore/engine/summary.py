@@ -16,10 +16,9 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -198,13 +197,27 @@ _NONFINITE_INPUT_RE = re.compile(
 )
 
 
+def _leaves_with_paths(structure: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path, leaf)`` for each leaf of ``structure`` in ``tf.nest.flatten`` order (dict keys
+    sorted, namedtuple fields and sequence items in order). Written here because
+    ``keras.tree.flatten_with_path`` is missing from the oldest Keras that dpcore supports."""
+    if isinstance(structure, Mapping):
+        items: Any = ((key, structure[key]) for key in sorted(structure))
+    elif isinstance(structure, tuple) and hasattr(structure, "_fields"):
+        items = zip(structure._fields, structure)
+    elif isinstance(structure, (list, tuple)):
+        items = enumerate(structure)
+    else:
+        return [((), structure)]
+    return [
+        ((key, *path), leaf) for key, child in items for path, leaf in _leaves_with_paths(child)
+    ]
+
+
 def field_names(structure: Any, name: str) -> list[str]:
     """The name of each leaf of ``structure`` in ``tf.nest.flatten`` order, for errors: ``name``
     itself for a tensor, ``name[key]`` / ``name[0]`` for the leaves of dicts and sequences."""
-    return [
-        name + "".join(f"[{key}]" for key in path)
-        for path, _ in keras.tree.flatten_with_path(structure)
-    ]
+    return [name + "".join(f"[{key}]" for key in path) for path, _ in _leaves_with_paths(structure)]
 
 
 def _check_rows(
@@ -305,7 +318,7 @@ def _locate(field: str, given: dict[str, Any]) -> tuple[str, int] | None:
     for name in ("x", "y", "sample_weight"):
         if given.get(name) is None or not field.startswith(name):
             continue
-        for path, leaf in keras.tree.flatten_with_path(given[name]):
+        for path, leaf in _leaves_with_paths(given[name]):
             if name + "".join(f"[{key}]" for key in path) != field:
                 continue
             try:

@@ -68,15 +68,16 @@ def builtin_rules() -> dict[type, LayerRule]:
         keras.layers.Embedding: EMBEDDING,
         keras.layers.LayerNormalization: LAYER_NORMALIZATION,
         keras.layers.GroupNormalization: GROUP_NORMALIZATION,
-        keras.layers.RMSNormalization: RMS_NORMALIZATION,
         keras.layers.MultiHeadAttention: MULTI_HEAD_ATTENTION,
-        **_reversible(REVERSIBLE_EMBEDDING),
+        **_if_present("RMSNormalization", RMS_NORMALIZATION),  # Keras >= 3.9
+        **_if_present("ReversibleEmbedding", REVERSIBLE_EMBEDDING),  # Keras >= 3.13
         **keras_hub_rules(),  # KerasHub's layers, once keras_hub is imported
     }
 
 
-def _reversible(rule: LayerRule) -> dict[type, LayerRule]:
-    cls = getattr(keras.layers, "ReversibleEmbedding", None)  # Keras >= 3.13
+def _if_present(name: str, rule: LayerRule) -> dict[type, LayerRule]:
+    """``{keras.layers.<name>: rule}``, or nothing on a Keras that lacks the layer."""
+    cls = getattr(keras.layers, name, None)
     return {} if cls is None else {cls: rule}
 
 
