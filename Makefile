@@ -15,7 +15,8 @@ OLDEST_KERAS := keras==3.6.0
 # runs on TensorFlow 2.16; dpcore never tokenizes.
 OLDEST_HUB := keras==3.15.1 keras-hub==0.32.0
 OLDEST_HUB_DEPS := regex rich packaging sentencepiece tokenizers "kagglehub!=1.0.1" "kagglesdk==0.1.28"
-OLDEST_CORE_TESTS := tests/test_readme.py tests/test_keras_fit.py tests/test_epsilon_cli.py
+OLDEST_CORE_TESTS := tests/test_readme.py tests/test_keras_fit.py tests/test_epsilon_cli.py \
+	tests/test_keras_losses.py
 OLDEST_HUB_TESTS := tests/test_keras_hub.py::test_bert_classifier_matches_reference \
 	tests/test_keras_hub.py::test_bert_with_lora_stays_on_the_fast_path
 

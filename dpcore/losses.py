@@ -293,7 +293,9 @@ def _structured_loss_fn(
 
     def by_name(y_true: Any, y_pred: Any) -> dict[str, tf.Tensor]:
         found = {}
-        for key, values, _ in parts(y_true, y_pred):
+        for key, values, weight in parts(y_true, y_pred):
+            if _KERAS_LOGS_WEIGHTED_OUTPUT_LOSSES and weight is not None:
+                values = values * tf.cast(weight, tf.float32)
             name = key if isinstance(key, str) else None
             if isinstance(key, int) and names is not None and len(names) == len(y_pred):
                 name = names[key]
@@ -304,6 +306,16 @@ def _structured_loss_fn(
     setattr(fn, _PER_EXAMPLE, True)
     setattr(fn, _PER_OUTPUT, by_name)
     return fn
+
+
+def _keras_logs_weighted_output_losses() -> bool:
+    """Keras before 3.7 logs each output's loss times its ``loss_weights`` entry; 3.7 and later
+    log it unweighted. dpcore's ``<name>_loss`` logs follow the installed Keras."""
+    major, minor = (int(part) for part in keras.__version__.split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
+_KERAS_LOGS_WEIGHTED_OUTPUT_LOSSES = _keras_logs_weighted_output_losses()
 
 
 def output_loss_names(loss: Any, output_names: Sequence[str] | None) -> list[str]:
@@ -319,7 +331,8 @@ def output_loss_names(loss: Any, output_names: Sequence[str] | None) -> list[str
 
 
 def per_output_losses(loss_fn: Any, y_true: Any, y_pred: Any) -> dict[str, tf.Tensor]:
-    """Each named output's unweighted per-example loss (``[B]``) under ``loss_fn``, a
+    """Each named output's per-example loss (``[B]``) under ``loss_fn``, as Keras logs it
+    (weighted by ``loss_weights`` before Keras 3.7, unweighted since), for a
     :func:`per_example_loss_fn` of several losses; empty for any other loss.
 
     Privacy:
