@@ -41,11 +41,11 @@ CONTRIBUTION_TOLERANCE = 1e-6
 # [MIN_NOISE_STDDEV, MAX_NOISE_STDDEV]; privatize checks it when the step runs, the optimizer's
 # constructor and setter when σ and C are given.
 # The lower limit: TensorFlow's CPU kernels flush float32 subnormals (below 2^-126) to zero, so a
-# noise value z·std below 2^-126 was exactly 0 while the clipped sum it was added to stayed a normal
-# float: the release was the un-noised sum (probability 0.01 per step at std 2^-120). A standard
-# normal of standard_normal is never 0 and at least 2^-38 in magnitude (radius >= 2^-11.5, the
-# sine/cosine of its float32 angle >= 2^-26.4; _polar_from_bits), so with std >= 2^-40 every
-# noise value is at least 2^-78: normal, never flushed.
+# noise value z·std below 2^-126 would be exactly 0 while the clipped sum it is added to stays a
+# normal float: the release would be the un-noised sum (probability 0.01 per step at std 2^-120).
+# A standard normal of standard_normal is never 0 and at least 2^-38 in magnitude (radius >=
+# 2^-11.5, the sine/cosine of its float32 angle >= 2^-26.4; _polar_from_bits), so with std >=
+# 2^-40 every noise value is at least 2^-78: normal, never flushed.
 MIN_NOISE_STDDEV = 2.0**-40
 # The upper limit: a standard normal is at most NOISE_RADIUS_MAX < 2^4, so every noise value is
 # below 2^104, finite in float32 (largest 2^128), with room for the clipped sum it is added to.
@@ -269,8 +269,8 @@ def clip(
 # larger tensor forms a group alone): one draw per group instead of one per tensor keeps the
 # traced step small (a transformer has dozens of small variables). The cap keeps each group's
 # split into its tensors (a copy) small beside the draw, and its temporaries no larger than the
-# largest variable's: on CPU, the MLP's 401,408-weight kernel drawn together with the other five
-# variables took 3.3 ms against 2.8 ms drawn alone.
+# largest variable's: a large kernel drawn together with small variables is slower than drawn
+# alone.
 NOISE_GROUP_ELEMENTS = 2**18
 
 
@@ -320,8 +320,8 @@ def standard_normal(like: Sequence[Any], *, seed: tf.Tensor) -> list[tf.Tensor]:
     sizes = [s.num_elements() for s in shapes]
     # fold_in(seed, g) for an int64 g is [r, g] with r one 64-bit draw from seed, the same for
     # every g: drawn once here. 64 bits, not 32: with an int32 r, two steps of a run of 10^5
-    # steps shared their whole noise draw with probability 0.69 (birthday bound), and the
-    # difference of those two releases was noise-free.
+    # steps would share their whole noise draw with probability 0.69 (birthday bound), and the
+    # difference of those two releases would be noise-free.
     r = tf.random.stateless_uniform([], seed=seed, dtype=tf.int64, minval=None, maxval=None)
     out: list[tf.Tensor] = []
     for g, members in enumerate(noise_groups(sizes)):

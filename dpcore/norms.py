@@ -95,12 +95,11 @@ __all__ = [
 # per-example multiply-adds, and any bound whose signature (static shapes, dtypes, Python
 # arguments) was already used in a graph of SHARED_MIN_OPS operations or more, is a call of one
 # traced, non-inlined function (``_noinline``): the runtime then holds one copy of its operations
-# per signature instead of one per layer. BERT's traced DP step went from 8179 to about 4800
-# operations and its step peak memory down by tens of MB (BENCHMARKS.md). A call costs tens of
-# microseconds, so small programs (an MLP's: under 2000 operations) keep every bound inline. The
-# body is the same operations either way; the matmul input roundoff (read at trace time) is part
-# of the signature. The Gram matrices themselves stay in the caller's graph: an XLA-compiled
-# function called from a non-inlined one is not compiled (the ghost bound took twice as long).
+# per signature instead of one per layer, a smaller program and less memory for a large model's
+# step. A call has a fixed cost, so small programs keep every bound inline. The body is the same
+# operations either way; the matmul input roundoff (read at trace time) is part of the
+# signature. The Gram matrices themselves stay in the caller's graph: an XLA-compiled function
+# called from a non-inlined one is not compiled.
 
 SHARED_MIN_WORK = 1 << 20
 SHARED_MIN_OPS = 2000
@@ -436,7 +435,8 @@ def outer_sum_error(t: Any, d: int, p: int, a_max: tf.Tensor, g_max: tf.Tensor) 
 
     A flushed ``w g_{t,p}`` moves entry ``(k, p)`` by up to ``2^-126 |a_{t,k}|`` whatever ``w``
     is, so this error does not shrink with the clip factor: with ``|a| ~ 1e38`` and a factor that
-    puts ``w g`` at the edge of the normal range, a record of norm ``C`` used to add ``4 C``.
+    puts ``w g`` at the edge of the normal range, a record of norm ``C`` could add ``4 C``
+    without this term.
     It is ``2 T sqrt(D P) 2^-126 (a_max + g_max + 2)``: ``2^-126 sqrt(P) sum_t |a_t|`` for the
     flushed weighted entries, ``2^-126 sqrt(D) sum_t |g_t|`` for subnormal inputs read as zero,
     ``2 T sqrt(D P) 2^-126`` for the flushed products and sums, doubled for their own rounding.
@@ -558,11 +558,10 @@ def gram(x: tf.Tensor) -> tf.Tensor:
 
     Inside a graph (``tf.function``, Keras ``fit``), for static ``T`` and ``K`` with
     ``T^2 K >= XLA_MIN_WORK``, the batched product is compiled by XLA: on CPU, TensorFlow's own
-    batched-matmul kernel takes 1.3-4x as long for the ``[T, K] x [K, T]`` products of ghost norms
-    (``T = 128``, ``K = 256``, batch 32: 11-12 ms against 4-5 ms). Otherwise (eagerly, small or
-    dynamic shapes) it is TensorFlow's matmul. Either way every entry is a float32 dot product of
-    length ``K`` in some summation order, which is all the error model of
-    :func:`gram_sq_norm_bound` assumes, and a NaN or Inf in a row reaches that row's entries.
+    batched-matmul kernel is slower for the small ``[T, K] x [K, T]`` products of ghost norms.
+    Otherwise (eagerly, small or dynamic shapes) it is TensorFlow's matmul. Either way every entry
+    is a float32 dot product of length ``K`` in some summation order, which is all the error model
+    of :func:`gram_sq_norm_bound` assumes, and a NaN or Inf in a row reaches that row's entries.
 
     Privacy:
       Example ``i``'s matrix depends on ``x_i`` only; whether XLA compiles the product depends

@@ -876,8 +876,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             grads = [*grads, count]
         # Nothing non-finite may reach the accumulators or the weights: one assertion that every
         # entry is finite gates every downstream op, so a bad batch fails the step before any
-        # variable changes. (TensorFlow's CheckNumerics tests one entry at a time: about 1 ms per
-        # step for the MLP's 401k-weight kernel on CPU, 3-4x the vectorized test below.)
+        # variable changes. (TensorFlow's CheckNumerics tests one entry at a time, slower on CPU
+        # than the vectorized test below.)
         grads = [tf.convert_to_tensor(g) for g in grads]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
         with tf.control_dependencies(bound_checks):  # the bound's own message first

@@ -72,8 +72,8 @@ class DPStepResult:
 
 
 # Traced as written, as Keras traces its own ``fit`` step: AutoGraph (on by default in a user's
-# ``tf.function``) would otherwise rewrite every dpcore function on the way, which for a small BERT
-# kept about 40 MB more of traced program alive, and the step has no Python control flow on tensors.
+# ``tf.function``) would otherwise rewrite every dpcore function on the way, keeping a larger
+# traced program alive, and the step has no Python control flow on tensors.
 @tf.autograph.experimental.do_not_convert
 def dp_step(
     model: Any,

@@ -120,8 +120,8 @@ def _dims(layer: Any) -> tuple[int, int, int, int]:
 
 
 # Below this many input channels (per group) the window-offset products are too thin to beat one
-# matmul over unfolded patches; so are strided ones, whose slices TensorFlow copies slowly (CPU,
-# batch 256, 8 channels: stride 1 up to 2.5x faster than the patches, stride 2 up to 5x slower).
+# matmul over unfolded patches. Strided convolutions are left to the patches as well, since
+# TensorFlow copies strided slices slowly on CPU.
 _MIN_OFFSET_CHANNELS = 8
 
 
@@ -220,8 +220,8 @@ def _depthwise_per_example(layer: Any, uses: Sequence[Use]) -> tf.Tensor | None:
         if layer.rank == 1:
             a, g = a[:, None], g[:, None]
         c_out = int(g.shape[-1])
-        # TensorFlow's kernel slows down 4x per example past about 4096 image channels (CPU):
-        # batches of a known size run in chunks of at most that many channels.
+        # TensorFlow's kernel costs more per example past _DEPTHWISE_CHANNELS image channels
+        # (CPU): batches of a known size run in chunks of at most that many channels.
         chunk = max(1, _DEPTHWISE_CHANNELS // c_out)
         size = a.shape[0]
         if size is None or size <= chunk:
@@ -264,13 +264,13 @@ def _depthwise_kernels(
     return tf.transpose(tf.stack(parts, axis=3), [2, 0, 1, 3, 4])
 
 
-# Image channels (examples x C_out) per depthwise filter gradient (CPU, 8x8 kernels on 28x28
-# images, 16 filters: 8.7 us per example at 4096 channels, 34 us at 8192 and 16384).
+# Image channels (examples x C_out) per depthwise filter gradient: past this many, the CPU
+# kernel's cost per example grows several-fold.
 _DEPTHWISE_CHANNELS = 4096
 
-# The depthwise route above beats unfolding patches for few input and output channels (CPU,
-# batch 256, kernels 3 to 8, strides 1 and 2: 1.3 to 6x faster with C_out = 16, mixed at 64).
-# Not under XLA, whose own lowering of the patches is the fast one there.
+# The depthwise route above beats unfolding patches for few input and output channels; with
+# more output channels the outcome is mixed. Not under XLA, whose own lowering of the patches is
+# the fast one there.
 _MAX_DEPTHWISE_CHANNELS_OUT = 32
 
 
@@ -278,11 +278,10 @@ _MAX_DEPTHWISE_CHANNELS_OUT = 32
 def depthwise_route_is_fast() -> bool:
     """Whether this machine's depthwise filter gradient is the fast route (read once).
 
-    The route was measured 5x faster than the patches on a CPU with AVX-512, and 4.5x *slower* on
-    one with AVX2 only (the benchmark CNN's first convolution at batch 256: 118 ms against 26 ms
-    for the patches and their batched product), so on a CPU it is taken only where the processor
-    reports AVX-512 (``avx512f`` in ``/proc/cpuinfo``); with a GPU as before. Both routes give the
-    same per-example kernels up to float32 rounding, and the norm is always that of what is stored.
+    The route is much faster than the patches on a CPU with AVX-512 and several times *slower*
+    on one with AVX2 only, so on a CPU it is taken only where the processor reports AVX-512
+    (``avx512f`` in ``/proc/cpuinfo``); with a GPU always. Both routes give the same per-example
+    kernels up to float32 rounding, and the norm is always that of what is stored.
     """
     if tf.config.list_logical_devices("GPU"):
         return True
@@ -310,8 +309,8 @@ def _grads(layer: Any, uses: Sequence[Use]) -> list[VariableGrad]:
             and not tracing_for_xla()
             and depthwise_route_is_fast()
         ):
-            # (XLA on CPU turns a depthwise convolution of B * C_out channels into a dense one:
-            # 100x slower than its own lowering of the patches, which it compiles well.)
+            # (XLA on CPU turns a depthwise convolution of B * C_out channels into a dense one,
+            # far slower than its own lowering of the patches, which it compiles well.)
             per_example = _depthwise_per_example(layer, uses)
     # Certified norms (dpcore.norms): where the clipped sum is a weighted sum of materialized
     # per-example kernels, their stored norm; where it is the convolution's own filter gradient,

@@ -221,9 +221,8 @@ def _tied_grad(
 
 
 # Vocabulary columns per piece of the logit block's Gram matrix (see _scaled_gram). Each piece's
-# product is an XLA program whose buffers add to the step's peak: GPT-2 (vocabulary 8192, T = 128,
-# batch 32) peaked 1.24x the Keras step's resident memory with pieces of 4096 columns, 1.21x with
-# 2048 and 1.14-1.16x with 1024 or 512, at the same speed (BENCHMARKS.md).
+# product is an XLA program whose buffers add to the step's peak memory: wider pieces raise the
+# peak, narrower ones gain no speed.
 _GRAM_COLUMNS = 1024
 
 

@@ -80,7 +80,7 @@ def materialize(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
 
     Inside a graph, for static shapes with ``T D P >= dpcore.norms.XLA_MIN_WORK``, the batched
     product is compiled by XLA, as :func:`dpcore.norms.gram` is (on CPU TensorFlow's
-    batched-matmul kernel took 1.3-2.2x as long for these shapes); otherwise it is TensorFlow's.
+    batched-matmul kernel is slower for these shapes); otherwise it is TensorFlow's.
 
     Privacy:
       Unclipped per-example gradients: clip before aggregating.
