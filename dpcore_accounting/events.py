@@ -366,8 +366,8 @@ def make_accountant(
     """A fresh dp-accounting accountant: `"pld"` (default) or `"rdp"`.
 
     `pld_discretization` is the PLD accountant's `value_discretization_interval`. PLD
-    discretization is pessimistic, so a coarser interval (e.g. 1e-3, ~10x faster) still gives
-    an upper bound on ε, just a slightly larger one.
+    discretization is pessimistic, so a coarser interval (e.g. 1e-3, faster) still gives an
+    upper bound on ε, just a slightly larger one.
 
     The RDP accountant is dp-accounting's `RdpAccountant` that drops its "failed to converge"
     warnings (one per fractional order it excludes) while composing; see
