@@ -51,7 +51,7 @@ would turn XLA on for the non-private side alone on a GPU).
 
 Usage:
   python experiments/benchmark.py --models=mlp,cnn --methods=nonprivate,vectorized,fast \
-      --batch_sizes=64,256 --steps=10 --json=/tmp/bench.json
+      --batch_sizes=64,256 --steps=10 --json=bench.json
   python experiments/benchmark.py --models=bert,gpt2,bert_lora,gpt2_lora \
       --methods=nonprivate,make_private_fit --batch_sizes=32 --steps=5
 """

@@ -18,7 +18,7 @@ Contract:
 
 Example:
   python -m dpcore_experiments.benchmark_workers --workers=1,2 --models=mlp,cnn \\
-      --batch_size=256 --output=/tmp/bench_workers.json
+      --batch_size=256 --output=bench_workers.json
 """
 
 from __future__ import annotations

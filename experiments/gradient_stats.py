@@ -14,7 +14,7 @@ These statistics are computed from unclipped, un-noised per-example gradients: t
 debugging aid for choosing ``l2_norm_clip`` and are not differentially private.
 
 Usage:
-  dpcore-gradient-stats --steps=5 --batch_size=64 --l2_norm_clip=1.0 --output_dir=/tmp/stats
+  dpcore-gradient-stats --steps=5 --batch_size=64 --l2_norm_clip=1.0 --output_dir=stats
 """
 
 from __future__ import annotations

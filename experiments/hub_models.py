@@ -45,7 +45,7 @@ class BenchConfig:
     num_classes: int = 2
 
 
-# The configurations: 2 layers, hidden 256, T = 128 (batch 32 on the command line),
+# The benchmark's configurations: 2 layers, hidden 256, T = 128 (batch 32 on the command line),
 # full fine-tuning and LoRA rank 8; and a GPT-2-small-sized model (12 layers, hidden 768,
 # vocabulary 50257, T = 256; batch 8). The small ones use an 8192-token vocabulary.
 _SMALL = HubSize(
