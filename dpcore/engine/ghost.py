@@ -435,7 +435,7 @@ def fast_summary(
     # Layers in reverse call order, each one's norm ops made to wait for the previous layer's
     # norms: the last layers' gradients arrive first in the backward pass, and only one layer's
     # norm temporaries (scaled operands, Gram matrices, float64 terms) exist at a time instead of
-    # every layer's at once (measured in BENCHMARKS.md: BERT 436 -> 375 MB of tensors at the peak).
+    # every layer's at once, which lowers the step's peak memory.
     # The clipped sums (``weighted_sum``) are made later and are not ordered.
     previous: list[tf.Tensor] = []
     for key, gz in reversed(list(zip(keys, grads_z))):
