@@ -355,9 +355,8 @@ def check_augment_fn_rows(augment_fn: Callable[[Any], Any], inputs: Any, views: 
 
     Privacy:
       A row-mixing augmentation makes every example's clipped gradient depend on the others, so
-      one example could move the update by more than C (measured: 4.6 C by batch centring,
-      3.47 C by a stop_gradient batch standardization, 2.05 C by a token copied from another
-      example).
+      one example could move the update by more than C (batch centring, a ``stop_gradient``
+      batch standardization and a token copied from another example all do).
     """
     specs = tf.nest.flatten(inputs)
     probes = [
@@ -982,8 +981,8 @@ class DPModel(keras.Model):
 
         Without a distribution strategy Keras defers this to the first trace. A
         ``tf.function`` whose first trace creates variables is traced a second time, and both
-        traced programs stay in memory: for the DP step, several thousand operations each (80-150 MB
-        of resident memory for a 2-layer BERT, and about 1.5x the time to the first step).
+        traced programs stay in memory: for the DP step that doubles the memory its program holds
+        and lengthens the time to the first step.
         """
         if self.optimizer is None or self.optimizer.built or tf.inside_function():
             return
