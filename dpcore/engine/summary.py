@@ -202,15 +202,18 @@ def _leaves_with_paths(structure: Any) -> list[tuple[tuple[Any, ...], Any]]:
     sorted, namedtuple fields and sequence items in order). Written here because
     ``keras.tree.flatten_with_path`` is missing from the oldest Keras that dpcore supports."""
     if isinstance(structure, Mapping):
-        items: Any = ((key, structure[key]) for key in sorted(structure))
+        keys = sorted(structure)
+        children = [structure[key] for key in keys]
     elif isinstance(structure, tuple) and hasattr(structure, "_fields"):
-        items = zip(structure._fields, structure)
+        keys, children = list(structure._fields), list(structure)
     elif isinstance(structure, (list, tuple)):
-        items = enumerate(structure)
+        keys, children = list(range(len(structure))), list(structure)
     else:
         return [((), structure)]
     return [
-        ((key, *path), leaf) for key, child in items for path, leaf in _leaves_with_paths(child)
+        ((key, *path), leaf)
+        for key, child in zip(keys, children)
+        for path, leaf in _leaves_with_paths(child)
     ]
 
 
