@@ -2,8 +2,9 @@
 
 Contract:
   * This package imports only the standard library, dp-accounting (with numpy and scipy) and
-    absl; never TensorFlow or Keras. `dpcore-epsilon` uses it alone and starts without
-    TensorFlow's import.
+    absl; never TensorFlow or Keras. `dpcore-epsilon` (`dpcore_accounting.cli`, with the
+    console scripts' shared body in `_program`) uses it alone and starts without TensorFlow's
+    import.
   * `dpcore.accounting` and `dpcore.DPConfig` re-export these same objects (the modules under
     `dpcore.accounting` and `dpcore.config` are aliases of the ones here), so code written
     against `dpcore` keeps working and `isinstance` checks agree across both names.

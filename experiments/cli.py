@@ -2,13 +2,15 @@
 
 Contract:
   * `run_program(prepare=..., execute=..., define_flags=..., help_text=...)` is the body of
-    every console script (`dpcore-train`, `dpcore-audit`, ...). It defines the program's flags,
-    parses them, calls `prepare(argv)` (flag and file checks, output folder; no TensorFlow),
-    then imports TensorFlow without its start-up noise (`tf_startup`), and calls
-    `execute(prepared)`; the program exits with `execute`'s return value.
+    every console script (`dpcore-train`, `dpcore-audit`, ...): `dpcore_accounting._program`'s
+    (flags, `prepare(argv)` with flag and file checks and the output folder but no TensorFlow,
+    `execute(prepared)`), with TensorFlow imported without its start-up noise (`tf_startup`)
+    between the two. `dpcore-epsilon` (`dpcore_accounting.cli`) uses that body directly.
   * A user error (a flag that does not parse, a `UserError` raised by `prepare` or `execute`)
     prints ONE line, `error: <what is wrong and what to do>`, on stderr and exits with status 2,
-    without a traceback. Anything else (a bug) keeps its traceback.
+    without a traceback. Anything else (a bug) keeps its traceback. `UserError`, `fail`,
+    `user_errors`, `check_no_arguments` and `check_writable_file` are those of
+    `dpcore_accounting._program`.
   * `--help` prints `help_text` (written for users) and the program's own flags, also when the
     program runs as a console script; module docstrings (with their "Contract:" sections) are
     for readers of the code and are not shown.
@@ -21,13 +23,21 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
+
+from dpcore_accounting import _program
+from dpcore_accounting._program import (
+    EXIT_USER_ERROR,
+    UserError,
+    check_no_arguments,
+    check_writable_file,
+    fail,
+    user_errors,
+)
 
 __all__ = [
     "EXIT_USER_ERROR",
@@ -43,7 +53,6 @@ __all__ = [
     "user_errors",
 ]
 
-EXIT_USER_ERROR = 2
 RUNS_DIR = "runs"
 # The four MNIST-format files `dpcore.data.load_idx_dataset` reads (each also accepted without
 # `.gz`); tests/test_binaries.py checks that these constants agree with dpcore.data.
@@ -63,38 +72,6 @@ DEFAULT_DATA_DIRS = {
 T = TypeVar("T")
 
 
-class UserError(Exception):
-    """A mistake in the command line or in the files it names (not a bug in the program)."""
-
-
-def fail(message: str) -> NoReturn:
-    """Prints `error: <message>` (one line) on stderr and exits with status 2."""
-    sys.stdout.flush()
-    text = " ".join(str(message).split())  # one line, whatever the message
-    print(f"error: {text}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USER_ERROR)
-
-
-@contextlib.contextmanager
-def user_errors(*types: type[BaseException], hint: str = "") -> Iterator[None]:
-    """Turns the given exception types, raised inside the block, into `UserError`s.
-
-    For the few calls whose failure is the user's input (loading their data files, building
-    settings from flags); never wrap training itself, where such an error would be a bug.
-    """
-    try:
-        yield
-    except types as err:
-        message = str(err) or type(err).__name__
-        raise UserError(f"{message} {hint}".strip()) from err
-
-
-def check_no_arguments(argv: list[str]) -> None:
-    """A `UserError` for words on the command line that are not flags."""
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments {argv[1:]}: every setting is a --flag=value.")
-
-
 def check_readable_file(path: str | None, flag: str) -> str:
     """`path` if it names a readable file, else a `UserError` naming `--flag`."""
     if not path:
@@ -103,27 +80,6 @@ def check_readable_file(path: str | None, flag: str) -> str:
         raise UserError(f"--{flag}={path}: no such file.")
     if not os.access(path, os.R_OK):
         raise UserError(f"--{flag}={path}: not readable.")
-    return path
-
-
-def check_writable_file(path: str, flag: str) -> str:
-    """`path` if a file can be written there (its folder is created), else a `UserError`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(21, "it is a folder")
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise NotADirectoryError(20, f"{folder} is a file, not a folder")
-        os.makedirs(folder, exist_ok=True)
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            raise PermissionError(13, "not writable")
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        raise UserError(
-            f"--{flag}={path} cannot be written ({err.strerror or err}); give a path you can "
-            "write to."
-        ) from err
     return path
 
 
@@ -196,18 +152,14 @@ def output_dir(value: str | None, program: str, *, flag: str = "output_dir") -> 
     return path
 
 
-def _show_flags_in_short_help(module_name: str) -> None:
-    """Lists the flags defined in `module_name` under `--help` (absl shows only the flags
-    of the module it takes for the program, `sys.argv[0]`, which is the console script)."""
-    from absl import flags
+def _quiet_tensorflow() -> None:
+    """Imports TensorFlow without its start-up noise; absl logs warnings and up by default."""
+    from absl import flags, logging
+    from dpcore_experiments.tf_startup import import_tensorflow_quietly
 
-    main_key = sys.argv[0]
-    if module_name == main_key:
-        return
-    shown = {id(f) for f in flags.FLAGS.get_flags_for_module(main_key)}
-    for flag in flags.FLAGS.get_flags_for_module(module_name):
-        if id(flag) not in shown:
-            flags.FLAGS.register_flag_by_module(main_key, flag)
+    import_tensorflow_quietly()
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
 
 
 def run_program(
@@ -229,35 +181,10 @@ def run_program(
       help_text: what `--help` prints above the flags: what the program does, examples.
       tensorflow: import TensorFlow quietly between `prepare` and `execute`.
     """
-    from absl import app, flags, logging
-
-    if not getattr(define_flags, "_dpcore_defined", False):
-        before = set(flags.FLAGS)
-        define_flags()
-        define_flags._dpcore_defined = True  # type: ignore[attr-defined]
-        new = set(flags.FLAGS) - before
-        modules = {flags.FLAGS.find_module_defining_flag(name) for name in new}
-        for module in modules - {None}:
-            _show_flags_in_short_help(module)
-    sys.modules["__main__"].__doc__ = help_text
-
-    def parse(argv: list[str]) -> list[str]:
-        try:
-            return flags.FLAGS(argv)
-        except flags.Error as err:
-            fail(f"{err} (see --help)")
-
-    def body(argv: list[str]) -> Any:
-        try:
-            prepared = prepare(argv)
-            if tensorflow:
-                from dpcore_experiments.tf_startup import import_tensorflow_quietly
-
-                import_tensorflow_quietly()
-                if not flags.FLAGS["verbosity"].present:
-                    logging.set_verbosity(logging.WARNING)
-            return execute(prepared)
-        except UserError as err:
-            fail(str(err))
-
-    app.run(body, flags_parser=parse)
+    _program.run_program(
+        prepare=prepare,
+        execute=execute,
+        define_flags=define_flags,
+        help_text=help_text,
+        before_execute=_quiet_tensorflow if tensorflow else None,
+    )

@@ -1,4 +1,4 @@
-"""experiments/epsilon.py (the `dpcore-epsilon` console script)."""
+"""dpcore_accounting/cli.py (the `dpcore-epsilon` console script)."""
 
 import functools
 import json
@@ -11,9 +11,9 @@ import sys
 
 import dp_accounting
 import pytest
-from dpcore_experiments import epsilon as cli
 
 from dpcore import accounting as acc
+from dpcore_accounting import cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # TF Privacy's MNIST setting, 60 epochs as its statement counts them: ceil(60 N / B) steps.
@@ -169,7 +169,7 @@ def test_compute_rejects_ambiguous_or_bad_input():
 
 def _script() -> list[str]:
     exe = shutil.which("dpcore-epsilon", path=os.path.dirname(sys.executable))
-    return [exe] if exe else [sys.executable, "-m", "dpcore_experiments.epsilon"]
+    return [exe] if exe else [sys.executable, "-m", "dpcore_accounting.cli"]
 
 
 @pytest.mark.slow
@@ -209,7 +209,7 @@ def test_cli_answers_without_importing_tensorflow(entry):
             pytest.skip("dpcore-epsilon is not installed next to this interpreter")
         program = [exe]
     else:
-        program = ["-m", "experiments.epsilon"]  # from the repository root
+        program = ["-m", "dpcore_accounting.cli"]  # from the repository root
     done = subprocess.run(
         [sys.executable, "-X", "importtime", *program, *args, "--accountant=rdp"],
         capture_output=True,
