@@ -23,8 +23,9 @@ of its outputs' per-example losses, whose batch mean is Keras's total loss.
 
 Keras's other loss terms (``model.losses``): :func:`regularization` returns the terms that are
 functions of the weights alone (weight regularizers, ``add_loss`` of the weights), which the DP
-step adds to the privatized gradient as Keras adds them, and refuses those computed from the batch
-(activity regularizers, ``add_loss`` of the inputs).
+step adds to the privatized gradient as Keras adds them, and refuses the ``add_loss`` terms
+computed from the batch. Activity regularizers' penalties are per example: the engine adds them to
+each example's loss (:mod:`dpcore.engine.activity`).
 """
 
 from __future__ import annotations
@@ -431,9 +432,11 @@ def regularization(model: Any, x: Any, *, training: Any) -> Regularization | Non
 
     Keras adds to the compiled loss the weight regularizers' penalties, the activity
     regularizers' penalties and the ``add_loss`` terms of the call. Weight regularizers see only
-    their variable: they are kept. Activity regularizers penalise each example's activations (the
-    penalty of the batch's outputs; Keras 3.15 divides it by the batch size, Keras 3.6 does not):
-    they are refused, because per-example clipping cannot bound a term computed from the batch.
+    their variable: they are kept. Activity regularizers penalise each example's activations:
+    the engine adds each example's penalty to its loss, before clipping
+    (:mod:`dpcore.engine.activity`, whose :func:`~dpcore.engine.activity.check` this runs first,
+    so that a penalty it cannot split by example is refused before any step); they are not
+    among the terms returned here.
 
     ``add_loss`` terms are detected, and their data dependence checked, by calling the model
     eagerly (outside the caller's trace) in a ``keras.StatelessScope`` that collects them, on
@@ -459,26 +462,22 @@ def regularization(model: Any, x: Any, *, training: Any) -> Regularization | Non
       A :class:`Regularization`, or None when the model has no such term.
 
     Raises:
-      ValueError: for an activity regularizer, an ``add_loss`` term that depends on the batch
-        or is not deterministic, or a model whose ``add_loss`` terms could not be checked.
+      ValueError: for an activity regularizer that cannot be split by example, an ``add_loss``
+        term that depends on the batch or is not deterministic, or a model whose ``add_loss``
+        terms could not be checked.
 
     Privacy:
       Only terms evaluated without any example reach the update; every term Keras computes from
       the batch is refused rather than dropped or added unclipped.
     """
     from dpcore import validation  # lazily: the engine imports this module
+    from dpcore.engine import activity
     from dpcore.engine.summary import batch_signature
 
     mode = True if tf.is_tensor(training) else bool(training)
     walked = validation.walk_layers(model)
     layers = [layer for _, layer in walked]
-    for path, layer in walked:
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"dpcore: layer {path!r} has an activity_regularizer, a penalty on each example's "
-                "activations that Keras adds for the whole batch, outside the per-example loss "
-                "that dpcore clips; remove it, or add the penalty to the loss of each example."
-            )
+    activity.check(model, x, training=training)  # enters each example's loss in the engine
     weights = list(model.trainable_weights)
     weighted = [v for v in weights if getattr(v, "regularizer", None) is not None]
     anchors = (*layers[1:], *weights)  # not the model itself: the entry must not keep its key
@@ -497,10 +496,18 @@ def regularization(model: Any, x: Any, *, training: Any) -> Regularization | Non
 
 
 def _added_losses(model: Any, inputs: Any, training: Any) -> list[tf.Tensor]:
-    """The ``add_loss`` terms of one call of ``model`` on ``inputs``, changing no variable."""
+    """The ``add_loss`` terms of one call of ``model`` on ``inputs``, changing no variable.
+
+    The activity regularizers' penalties, which Keras adds alike, are left out: the engine adds
+    them to each example's loss (:mod:`dpcore.engine.activity`).
+    """
+    from dpcore.engine import activity
+
     with keras.StatelessScope(collect_losses=True, initialize_variables=False) as scope:
-        model(inputs, training=training)
-    return list(scope.losses)
+        with activity.capture(model, scope=scope) as sink:
+            model(inputs, training=training)
+    skip = set(sink.keras_indices)
+    return [t for i, t in enumerate(scope.losses) if i not in skip]
 
 
 def _synthetic_inputs(x: Any, rows: int, seed: int, *, fill: int) -> Any:

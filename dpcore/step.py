@@ -118,7 +118,8 @@ def dp_step(
     variables = list(model.trainable_variables)
     options = resolve(options)
     sample_weight = losses.one_sample_weight(sample_weight)  # Keras copies it to every output
-    # Refuses data-dependent terms (activity regularizers, add_loss of the batch) before anything.
+    # Refuses add_loss terms of the batch and activity regularizers it cannot split by example
+    # (those it can enter each example's loss in the engine) before anything.
     regularization = losses.regularization(model, x, training=options.training)
     # Data-independent: drawn first, so that it overlaps the forward and backward passes.
     step_noise = optimizer.draw_step_noise(variables)
@@ -190,8 +191,10 @@ def dp_train_step(
         :func:`dpcore.losses.per_example_loss_fn` ``(losses, loss_weights=...,
         output_names=model.output_names)`` for weighted outputs (Keras's weighted sum per
         example). The model's weight regularizers and ``add_loss`` terms of the weights alone
-        enter the update as in Keras; activity regularizers and ``add_loss`` terms of the batch
-        are refused (:func:`dpcore.losses.regularization`).
+        enter the update as in Keras; activity regularizers' penalties (``keras.regularizers.L1``,
+        ``L2``, ``L1L2``) enter each example's loss (:mod:`dpcore.engine.activity`); other
+        activity regularizers and ``add_loss`` terms of the batch are refused
+        (:func:`dpcore.losses.regularization`).
       x: inputs with a leading batch axis.
       y: labels.
       optimizer: the :class:`~dpcore.DPOptimizer` (privacy parameters and DP state).

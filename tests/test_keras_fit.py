@@ -19,22 +19,40 @@ from dpcore.testing import (
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _model(kind):
+def _model(kind, activity=False):
+    """The MLP or CNN; with ``activity``, activity regularizers (L2, L1L2, L1) on three layers."""
     init = keras.initializers.GlorotUniform(seed=0)
+    regs = [None, None, None]
+    if activity:
+        regs = [
+            keras.regularizers.L2(0.05),
+            keras.regularizers.L1L2(0.02, 0.01),
+            keras.regularizers.L1(0.03),
+        ]
     if kind == "mlp":
         layers = [
             keras.Input((6, 6, 1)),
             keras.layers.Flatten(),
-            keras.layers.Dense(8, activation="tanh", kernel_initializer=init),
-            keras.layers.Dense(3, kernel_initializer=init),
+            keras.layers.Dense(
+                8, activation="tanh", kernel_initializer=init, activity_regularizer=regs[0]
+            ),
+            keras.layers.Activation("relu", activity_regularizer=regs[1]),
+            keras.layers.Dense(3, kernel_initializer=init, activity_regularizer=regs[2]),
         ]
     else:
         layers = [
             keras.Input((6, 6, 1)),
-            keras.layers.Conv2D(4, 3, strides=2, activation="tanh", kernel_initializer=init),
-            keras.layers.MaxPooling2D(2, strides=1),
+            keras.layers.Conv2D(
+                4,
+                3,
+                strides=2,
+                activation="tanh",
+                kernel_initializer=init,
+                activity_regularizer=regs[0],
+            ),
+            keras.layers.MaxPooling2D(2, strides=1, activity_regularizer=regs[1]),
             keras.layers.Flatten(),
-            keras.layers.Dense(3, kernel_initializer=init),
+            keras.layers.Dense(3, kernel_initializer=init, activity_regularizer=regs[2]),
         ]
     return keras.Sequential(layers)
 
@@ -68,6 +86,76 @@ def test_fit_step_is_the_reference_clipped_mean(kind):
     assert int(dp_model.optimizer.dp_steps.numpy()) == 1
     for w0, w1, g in zip(before, model.trainable_variables, expected):
         np.testing.assert_allclose(w1.numpy(), w0 - g, rtol=1e-4, atol=1e-6)
+
+
+def _keras_divides_activity_penalty():
+    """Whether this Keras adds an activity penalty divided by the batch size (the batch's mean)."""
+    layer = keras.layers.Dense(
+        1,
+        kernel_initializer="ones",
+        use_bias=False,
+        activity_regularizer=keras.regularizers.L1(1.0),
+    )
+    layer(np.ones((4, 1), "float32"))
+    return math.isclose(float(layer.losses[0]), 1.0)
+
+
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_activity_regularized_fit_step_is_keras_and_the_reference_clipped_mean(kind, method):
+    """With activity regularizers, a step with nothing clipped is plain Keras's step on the same
+    batch, and a step that clips is the reference clipped mean of the gradients of each
+    example's loss plus its penalties. A Keras that adds the whole batch's penalty undivided is
+    refused before any update."""
+    x, y = _data()
+    options = dpcore.ExecutionOptions(method=method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # σ = 0 is not private; this test checks the update only
+        if not _keras_divides_activity_penalty():
+            model = _model(kind, activity=True)
+            before = [v.numpy().copy() for v in model.trainable_variables]
+            dp_model = dpcore.make_private(
+                model,
+                optimizer=keras.optimizers.SGD(1.0),
+                loss=LOSS,
+                l2_norm_clip=1.0,
+                noise_multiplier=0.0,
+                expected_batch_size=float(len(x)),
+                options=options,
+            )
+            batches = dpcore.sampling.poisson_batches(x, y, sampling_prob=1.0, steps=1, seed=0)
+            with pytest.raises(ValueError, match="without dividing it by the batch size"):
+                dp_model.fit(batches, verbose=0)
+            for w0, w1 in zip(before, model.trainable_variables):
+                np.testing.assert_array_equal(w1.numpy(), w0)
+            return
+
+        plain = _model(kind, activity=True)
+        plain.compile(optimizer=keras.optimizers.SGD(1.0), loss=LOSS)
+        plain.fit(x, y, batch_size=len(x), shuffle=False, verbose=0)
+        model = _model(kind, activity=True)
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        grads = reference_per_example_gradients(model, LOSS, x, y)
+        for clip in (1e9, 0.5 * float(np.median(reference_per_example_norms(grads)))):
+            for v, w0 in zip(model.trainable_variables, before):
+                v.assign(w0)
+            dp_model = dpcore.make_private(
+                model,
+                optimizer=keras.optimizers.SGD(1.0),
+                loss=LOSS,
+                l2_norm_clip=clip,
+                noise_multiplier=0.0,
+                expected_batch_size=float(len(x)),
+                options=options,
+            )
+            batches = dpcore.sampling.poisson_batches(x, y, sampling_prob=1.0, steps=1, seed=0)
+            dp_model.fit(batches, verbose=0)
+            expected = reference_clipped_mean(grads, l2_norm_clip=clip, expected_batch_size=len(x))
+            for w0, w1, g in zip(before, model.trainable_variables, expected):
+                np.testing.assert_allclose(w1.numpy(), w0 - g, rtol=1e-4, atol=1e-6)
+            if clip == 1e9:
+                for w1, w in zip(model.trainable_variables, plain.trainable_variables):
+                    np.testing.assert_allclose(w1.numpy(), w.numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_tensorboard_callback_logs_a_dp_fit(tmp_path):

@@ -2,9 +2,11 @@
 
 Plain Keras trains on ``compiled loss + sum(model.losses)``. The weight regularizers and the
 ``add_loss`` terms that are functions of the weights alone enter dpcore's update after the noise,
-as Keras adds them; terms computed from the batch (activity regularizers, ``add_loss`` of the
-inputs) are refused. A model with several outputs trains on Keras's weighted sum of its outputs'
-losses, per example.
+as Keras adds them; ``add_loss`` terms computed from the batch are refused. Activity
+regularizers' penalties (Keras adds the batch's penalty divided by the batch size: the mean of
+the examples' penalties) enter each example's loss before clipping; one that may not be a sum
+over the rows is refused. A model with several outputs trains on Keras's weighted sum of its
+outputs' losses, per example.
 """
 
 import warnings
@@ -19,7 +21,11 @@ from dpcore import engine
 from dpcore.losses import per_example_loss_fn, regularization
 from dpcore.model import make_private
 from dpcore.optimizer import DPOptimizer
-from dpcore.testing import reference_per_example_gradients
+from dpcore.testing import (
+    reference_per_example_gradients,
+    reference_per_example_norms,
+    reference_unit_gradients,
+)
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
 # warning that such a run is not private is expected in this module.
@@ -243,11 +249,14 @@ def test_sigma0_update_equals_plain_keras_with_regularizers_and_weighted_outputs
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
-def _keras_per_example_gradients(model, x, y, sample_weight):
-    """Each example's gradient of Keras's own compiled loss on that example alone."""
+def _keras_per_example_gradients(model, x, y, sample_weight, key=None):
+    """Each example's gradient of Keras's own compiled loss on that example alone (with
+    ``model.losses`` of the call); ``key`` names the one entry of ``y`` for a single output."""
     out = [np.zeros((len(x), *v.shape), np.float32) for v in model.trainable_variables]
     for i in range(len(x)):
         yi = {k: v[i : i + 1] for k, v in y.items()}
+        if key is not None:
+            yi = yi[key]
         with tf.GradientTape() as tape:
             value = model.compute_loss(
                 x=x[i : i + 1],
@@ -377,12 +386,212 @@ def test_add_loss_of_the_batch_is_refused(penalty, rng):
         tf.function(lambda x, y: dpcore.dp_train_step(model, loss, x, y, optimizer=optimizer))(x, y)
 
 
-def test_activity_regularizer_is_refused(rng):
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.1), name="act")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(2)(h))
-    with pytest.raises(ValueError, match="'.*act' has an activity_regularizer"):
-        regularization(model, tf.zeros([2, 4]), training=True)
+class Scale(keras.layers.Layer):
+    """Scales its inputs by a weight vector (no engine rule: the fast path's per-layer fallback)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+def _activity_model(kind, regularizer=None):
+    init = keras.initializers.GlorotUniform(seed=0)
+    if kind == "dense":
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(
+            5,
+            activation="tanh",
+            kernel_initializer=init,
+            activity_regularizer=regularizer or keras.regularizers.L2(0.3),
+            name="act",
+        )(inputs)
+        h = keras.layers.Activation(
+            "relu", activity_regularizer=keras.regularizers.L1(0.2), name="relu"
+        )(h)
+        h = Scale(activity_regularizer=keras.regularizers.L2(0.4), name="scale")(h)
+    else:
+        inputs = keras.Input((6, 6, 2))
+        h = keras.layers.Conv2D(
+            3,
+            3,
+            activation="tanh",
+            kernel_initializer=init,
+            activity_regularizer=regularizer or keras.regularizers.L1L2(0.05, 0.2),
+            name="act",
+        )(inputs)
+        h = keras.layers.Flatten()(h)
+    outputs = keras.layers.Dense(
+        3,
+        kernel_initializer=init,
+        activity_regularizer=keras.regularizers.L1L2(0.1, 0.05),
+        name="out",
+    )(h)
+    return keras.Model(inputs, outputs)
+
+
+def _activity_batch(kind, rng, n=6):
+    shape = (4,) if kind == "dense" else (6, 6, 2)
+    return rng.normal(size=(n, *shape)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_activity_penalties_enter_each_examples_loss_on_every_path(kind, rng):
+    # Example i's loss is its weighted loss plus its own outputs' penalties, unweighted: what
+    # Keras's compiled loss plus model.losses is on that example alone. Both engine paths, the
+    # materialized gradients and units of two rows agree with the one-at-a-time reference.
+    x, y = _activity_batch(kind, rng)
+    sample_weight = rng.uniform(0.5, 2.0, 6).astype("float32")
+    sample_weight[1] = 0.0  # Keras still adds this example's penalties
+    mask = np.array([1, 1, 0, 1, 1, 1], "float32")
+    model = _activity_model(kind)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = reference_per_example_gradients(
+        model, loss, x, y, sample_weight=sample_weight, mask=mask
+    )
+    model.compile(loss=loss)
+    keras_grads = _keras_per_example_gradients(model, x, {"y": y}, sample_weight, key="y")
+    for ref, kg in zip(reference, keras_grads):
+        np.testing.assert_allclose(ref, kg * mask.reshape(-1, *[1] * (kg.ndim - 1)), atol=1e-6)
+    assert np.abs(reference[0][1]).max() > 1e-3  # the penalties' gradient at zero weight
+
+    variables = model.trainable_variables
+    eye = tf.eye(6, dtype=tf.float32)
+
+    @tf.function
+    def one_hot_sums(method):
+        summary = engine.summarize(
+            model,
+            loss,
+            x,
+            y,
+            sample_weight=sample_weight,
+            mask=mask,
+            options=dpcore.ExecutionOptions(method=method),
+        )
+        per_row = [
+            summary.weighted_sum(tf.tile(eye[i][:, None], [1, len(variables)])) for i in range(6)
+        ]
+        sums = [tf.stack([row[k] for row in per_row]) for k in range(len(variables))]
+        return sums, summary.per_example_loss
+
+    norms = reference_per_example_norms(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # each path runs whole
+        for method in METHODS:
+            sums, per_example_loss = one_hot_sums(method)
+            for g, ref in zip(sums, reference):
+                np.testing.assert_allclose(g.numpy(), ref, rtol=0, atol=1e-6)
+            got = dpcore.per_example_norms(
+                model,
+                loss,
+                x,
+                y,
+                sample_weight=sample_weight,
+                mask=mask,
+                options=dpcore.ExecutionOptions(method=method),
+            )
+            np.testing.assert_allclose(got.numpy(), norms, rtol=1e-5)
+            alone = [
+                float(
+                    model.compute_loss(x=x[i : i + 1], y=y[i : i + 1], y_pred=model(x[i : i + 1]))
+                )
+                - float(loss(y[i : i + 1], model(x[i : i + 1]))) * (1 - sample_weight[i])
+                for i in range(6)
+            ]
+            np.testing.assert_allclose(per_example_loss.numpy(), np.array(alone) * mask, rtol=1e-5)
+        materialized = dpcore.per_example_gradients(
+            model, loss, x, y, sample_weight=sample_weight, mask=mask
+        )
+        for g, ref in zip(materialized, reference):
+            np.testing.assert_allclose(np.asarray(g), ref, rtol=0, atol=1e-6)
+        units = reference_unit_gradients(
+            model, loss, x, y, group_size=2, group_reduction="mean", mask=mask
+        )
+        for method in METHODS:
+            options = dpcore.ExecutionOptions(method=method, group_size=2, group_reduction="mean")
+            got = dpcore.per_example_norms(model, loss, x, y, mask=mask, options=options)
+            np.testing.assert_allclose(got.numpy(), reference_per_example_norms(units), rtol=1e-5)
+
+
+class _SubclassedL2(keras.regularizers.L2):
+    def __call__(self, x):
+        return super().__call__(keras.ops.mean(x, axis=0))
+
+
+@pytest.mark.parametrize(
+    "regularizer",
+    [
+        lambda h: 0.1 * keras.ops.sum(keras.ops.square(keras.ops.mean(h, axis=0))),
+        _SubclassedL2(0.1),
+    ],
+    ids=["callable", "subclass"],
+)
+def test_activity_regularizer_that_may_mix_examples_is_refused(regularizer, rng):
+    x, y = _activity_batch("dense", rng, n=8)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = _activity_model("dense", regularizer)
+    dp = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=loss,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+    )
+    before = _weights(model)
+    message = r"layer '.*act' has activity_regularizer=.* keras\.regularizers\.L1, L2 or L1L2"
+    with pytest.raises(ValueError, match=message):
+        dp.fit(dpcore.sampling.poisson_batches(x, y, sampling_prob=1.0, steps=1), verbose=0)
+    for got, want in zip(_weights(model), before):
+        np.testing.assert_array_equal(got, want)
+    for method in METHODS:
+        with pytest.raises(ValueError, match=message):
+            dpcore.per_example_norms(
+                model, loss, x, y, options=dpcore.ExecutionOptions(method=method)
+            )
+    assert model.get_layer("act").activity_regularizer is regularizer  # left as it was
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_activity_penalty_of_huge_activations_is_clipped(method, rng):
+    # One record with inputs of 1e4 makes activations, penalties and gradients of ~1e8 and more:
+    # adding it to a batch moves the sigma-0 update by at most C / expected_batch_size.
+    x, y = _activity_batch("dense", rng, n=5)
+    x[4] = 1e4
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    init = keras.initializers.GlorotUniform(seed=0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(
+                5, kernel_initializer=init, activity_regularizer=keras.regularizers.L2(0.3)
+            ),
+            keras.layers.Dense(3, kernel_initializer=init),
+        ]
+    )
+    clip = 0.3
+    optimizer = DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=1
+    )
+    optimizer.build(model.trainable_variables)
+    start = _weights(model)
+    reference = reference_per_example_gradients(model, loss, x[4:], y[4:])
+    assert reference_per_example_norms(reference)[0] > 1e6 * clip  # far beyond the bound
+    step = tf.function(
+        lambda x, y: dpcore.dp_train_step(
+            model, loss, x, y, optimizer=optimizer, options=dpcore.ExecutionOptions(method=method)
+        )
+    )
+    updates = []
+    for rows in (slice(0, 4), slice(0, 5)):
+        for v, w in zip(model.trainable_variables, start):
+            v.assign(w)
+        step(x[rows], y[rows])
+        updates.append(np.concatenate([(w - v).ravel() for v, w in zip(_weights(model), start)]))
+    moved = np.linalg.norm(updates[1] - updates[0])
+    assert clip * 0.999 < moved <= clip * (1 + 1e-5)
 
 
 def test_weight_only_terms_are_evaluated_without_the_data():
@@ -464,7 +673,8 @@ def test_outputs_with_different_sample_weights_are_refused(rng):
 
 
 def test_evaluate_adds_the_losses_keras_adds_even_those_training_refuses(rng):
-    # Evaluation is not private anyway: its loss is Keras's, activity and batch terms included.
+    # Evaluation is not private anyway: its loss is Keras's, activity and batch terms included;
+    # training refuses the add_loss term of the batch.
     x, y = rng.normal(size=(8, 4)).astype("float32"), rng.integers(0, 3, 8).astype("int32")
 
     def model():
@@ -496,5 +706,5 @@ def test_evaluate_adds_the_losses_keras_adds_even_those_training_refuses(rng):
     )
     want = plain.evaluate(x, y, batch_size=8, verbose=0)
     np.testing.assert_allclose(dp.evaluate(x, y, batch_size=8, verbose=0), want, rtol=1e-6)
-    with pytest.raises(ValueError, match="activity_regularizer"):
+    with pytest.raises(ValueError, match="add_loss that depends on the batch"):
         dp.fit(x, y, batch_size=8, verbose=0)

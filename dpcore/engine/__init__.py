@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore import validation
+from dpcore.engine import activity
 from dpcore.engine.independence import check_rows_independent, warn_whole_model_fallback
 from dpcore.engine.summary import (
     GradientSummary,
@@ -127,6 +128,7 @@ def summarize(
         sample_weight, mask, group_size=group, group_reduction=options.group_reduction
     )
     validation.check_model(model, x, training=options.training, require_variables=False)
+    activity.check(model, x, training=options.training)  # refuses penalties it cannot split
     unverified = check_rows_independent(
         model,
         loss,
@@ -242,7 +244,14 @@ def per_example_gradients(
         )
         validation.check_model(model, xp, training=options.training, require_variables=False)
         grads, in_grads, _, _ = materialize(
-            model, loss_fn, xp, yp, sw * mk, variables, options=options
+            model,
+            loss_fn,
+            xp,
+            yp,
+            sw * mk,
+            variables,
+            options=options,
+            penalty_weights=activity.weights_for(model, xp, mk, options),
         )
         if not options.wrt_inputs:
             return grads

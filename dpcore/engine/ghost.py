@@ -6,8 +6,10 @@ returns the same :class:`~dpcore.engine.summary.GradientSummary`, computed with
 1. one forward pass that replays the model's layer graph (:mod:`dpcore.engine.graph`); each layer
    with a rule (:mod:`dpcore.rules`) is recomputed by its rule from the layer's own
    variables, recording its input and its pre-activation output ``z``;
-2. one backward pass of ``sum_i w_i L_i`` (``w`` = sample weight times mask) to every recorded
-   ``z`` (never to the weights), giving ``dL_i/dz_i`` row by row;
+2. one backward pass of ``sum_i w_i L_i`` (``w`` = sample weight times mask; ``L_i`` plus the
+   penalties of example ``i``'s activity-regularized outputs, :mod:`dpcore.engine.activity`,
+   recorded for rule-computed outputs too) to every recorded ``z`` (never to the weights),
+   giving ``dL_i/dz_i`` row by row;
 3. per layer, cheap per-example norms and a book-keeping weighted sum ``sum_i c_i grad_i`` (one
    weighted product per layer, no second backward pass).
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from dpcore.engine import graph
+from dpcore.engine import activity, graph
 from dpcore.engine.summary import (
     GradientSummary,
     batch_signature,
@@ -225,8 +227,10 @@ class _Recorder:
         wanted: set[int],
         training: Any,
         group_size: int = 1,
+        sink: activity.Sink | None = None,
     ) -> None:
         self.tape = tape
+        self.sink = sink  # records the activity penalties of outputs computed by rules
         self.group_size = group_size
         self.registry = registry
         self.wanted = wanted
@@ -272,10 +276,13 @@ class _Recorder:
             outer, self.prefix = self.prefix, self.prefix + layer.name + "/"
             self.composing.add(key)
             try:
-                return rule.compose(layer, args, kwargs, self)
+                outputs = rule.compose(layer, args, kwargs, self)
             finally:
                 self.prefix = outer
                 self.composing.discard(key)
+            if self.sink is not None:  # Layer.__call__ would have added it
+                self.sink.add_outputs(layer, outputs)
+            return outputs
         # A composition calling itself from its ``compose`` records its own variables (those
         # outside its sub-layers, e.g. a bias) with its rule's ``forward`` and ``grads``.
         if rule is not None:
@@ -283,6 +290,8 @@ class _Recorder:
             self.tape.watch(z)
             outputs = rule.activate(layer, z)
             graph.propagate_mask(layer, args, outputs)
+            if self.sink is not None and key not in self.composing:
+                self.sink.add_outputs(layer, outputs)  # Layer.__call__ would have added it
         else:
             outputs = layer(*args, **kwargs)
             z = [t for t in tf.nest.flatten(outputs) if tf.is_tensor(t) and t.dtype.is_floating]
@@ -410,15 +419,18 @@ def fast_summary(
         return whole_model_fallback(reason)
     wanted = {id(v) for v in variables}
     weights = tf.cast(sample_weight, tf.float32) * tf.cast(mask, tf.float32)
+    penalty_weights = activity.weights_for(model, x, mask, options)
     x_leaves = tf.nest.flatten(x)
     float_inputs = [t for t in x_leaves if t.dtype.is_floating] if wrt_inputs else []
     try:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(float_inputs)
-            recorder = _Recorder(tape, registry, wanted, training, group)
-            recorder.want(variables)
-            y_pred = graph.run(model, x, training=training, layer_fn=recorder)
+            with activity.capture(model) as sink:
+                recorder = _Recorder(tape, registry, wanted, training, group, sink)
+                recorder.want(variables)
+                y_pred = graph.run(model, x, training=training, layer_fn=recorder)
             per_example_loss = weighted_loss(loss_fn, y, y_pred, weights)
+            per_example_loss = activity.add_penalties(per_example_loss, sink, penalty_weights)
             total = tf.reduce_sum(per_example_loss)
     except _OutsideUse as outside:  # raised while tracing, before anything ran
         return whole_model_fallback(str(outside))
@@ -429,6 +441,8 @@ def fast_summary(
     )
     batch = tf.shape(weights)[0] // group
     live = weights != 0  # rows that contribute: the others are zeroed below, NaN or not
+    if penalty_weights is not None:
+        live = live | (penalty_weights != 0)
     prepared = {id(t) for t in x_leaves}  # finite on every row (prepare_batch): left as they are
     by_variable: dict[int, VariableGrad] = {}
     found_paths: dict[int, str] = {}

@@ -10,6 +10,8 @@ the weighted sum in a second, so peak memory is bounded by one chunk's gradients
 still clipped on its own. With privacy units of several rows (``options.group_size = K``) the mapped
 element is a unit: the model runs on the unit's ``K`` rows as one small batch and the gradient is
 that of the unit's summed (weighted) loss, so only ``[U, *var.shape]`` gradients are formed.
+Each example's loss includes the penalties of its activity-regularized outputs
+(:mod:`dpcore.engine.activity`), recorded in the per-example call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from dpcore import norms
+from dpcore.engine import activity
 from dpcore.engine.summary import (
     GradientSummary,
     from_units,
@@ -47,20 +50,23 @@ def _per_example_fn(
     group_size: int = 1,
 ) -> Callable:
     def fn(
-        args: tuple[Any, Any, tf.Tensor],
+        args: tuple[Any, ...],
     ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
-        xi, yi, wi = args
+        xi, yi, wi, *penalty_weights = args  # and the rows' activity penalty weights, if any
         if group_size == 1:  # one example: a batch of one row
             xb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
             yb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), yi)
             wb = tf.reshape(wi, [1])
+            pb = [tf.reshape(p, [1]) for p in penalty_weights]
         else:  # one unit: a batch of its K rows
-            xb, yb, wb = xi, yi, wi
+            xb, yb, wb, pb = xi, yi, wi, penalty_weights
         with tf.GradientTape() as tape:
             if wrt_inputs:
                 tape.watch([t for t in tf.nest.flatten(xb) if t.dtype.is_floating])
-            y_pred = model(xb, training=training)
-            loss = tf.reduce_sum(weighted_loss(loss_fn, yb, y_pred, wb))
+            with activity.capture(model) as sink:
+                y_pred = model(xb, training=training)
+            per_row = weighted_loss(loss_fn, yb, y_pred, wb)
+            loss = tf.reduce_sum(activity.add_penalties(per_row, sink, pb[0] if pb else None))
         sources = list(variables)
         floats = [t for t in tf.nest.flatten(xb) if t.dtype.is_floating] if wrt_inputs else []
         grads = tape.gradient(
@@ -71,6 +77,8 @@ def _per_example_fn(
         # than multiplied: its gradient may be NaN where the model is not finite on its zeroed
         # inputs (a fully masked average is 0/0), and 0 * NaN would poison the sums.
         live = wb != 0
+        if pb:
+            live = live | (pb[0] != 0)
         any_live = tf.reduce_any(live)
         weight_grads = [tf.where(any_live, g, tf.zeros_like(g)) for g in grads[: len(sources)]]
         input_grads = zero_rows(grads[len(sources) :], live)
@@ -172,8 +180,11 @@ def materialize(
     variables: Sequence[Any],
     *,
     options: ExecutionOptions | None = None,
+    penalty_weights: tf.Tensor | None = None,
 ) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor, Any]:
-    """Per-example gradients ``[B, *var.shape]`` of ``weights[i] * loss_i``.
+    """Per-example gradients ``[B, *var.shape]`` of ``weights[i] * loss_i``, plus
+    ``penalty_weights[i]`` times row ``i``'s activity penalties (:mod:`dpcore.engine.activity`;
+    the weights from :func:`~dpcore.engine.activity.weights_for`, None for a model without them).
 
     Uses ``options.training``, ``options.wrt_inputs``, ``options.chunk_size`` and
     ``options.group_size`` (then the gradients and losses are per unit, ``[U, ...]``, of the
@@ -192,7 +203,7 @@ def materialize(
     fn = _per_example_fn(
         model, loss_fn, variables, training=training, wrt_inputs=wrt_inputs, group_size=group
     )
-    elems = _as_units((x, y, weights), group)
+    elems = _as_units(_elems(x, y, weights, penalty_weights), group)
     if chunk_size is None:
         out = _map(fn, elems, model)
     else:
@@ -214,6 +225,11 @@ def materialize(
     weight_grads, input_grads, loss, y_pred = out
     rows = [from_units(g) for g in input_grads]
     return weight_grads, rows, loss, tf.nest.map_structure(from_units, y_pred)
+
+
+def _elems(x: Any, y: Any, weights: tf.Tensor, penalty_weights: tf.Tensor | None) -> tuple:
+    """What is mapped over: ``(x, y, weights)``, and the penalty weights when there are any."""
+    return (x, y, weights) if penalty_weights is None else (x, y, weights, penalty_weights)
 
 
 def _as_units(elems: Any, group_size: int) -> Any:
@@ -246,8 +262,9 @@ def _chunked_summary(
     training: bool,
     chunk_size: int,
     group_size: int = 1,
+    penalty_weights: tf.Tensor | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor, Any, Callable[[tf.Tensor], list[tf.Tensor]]]:
-    elems = _as_units((x, y, weights), group_size)
+    elems = _as_units(_elems(x, y, weights, penalty_weights), group_size)
     b = tf.shape(elems[2])[0]
     chunks = tf.nest.map_structure(lambda t: _pad_to_chunks(t, chunk_size), elems)
     fn = _per_example_fn(
@@ -324,6 +341,7 @@ def vectorized_summary(
     options = resolve(options)
     training, wrt_inputs, chunk_size = options.training, options.wrt_inputs, options.chunk_size
     weights = sample_weight * mask
+    penalty_weights = activity.weights_for(model, x, mask, options)
     if chunk_size is not None:  # validated by ExecutionOptions (positive; no wrt_inputs)
         sq, loss, y_pred, weighted_sum = _chunked_summary(
             model,
@@ -335,11 +353,19 @@ def vectorized_summary(
             training=training,
             chunk_size=chunk_size,
             group_size=options.group_size,
+            penalty_weights=penalty_weights,
         )
         input_grads = None
     else:
         grads, in_grads, loss, y_pred = materialize(
-            model, loss_fn, x, y, weights, variables, options=options.replace(chunk_size=None)
+            model,
+            loss_fn,
+            x,
+            y,
+            weights,
+            variables,
+            options=options.replace(chunk_size=None),
+            penalty_weights=penalty_weights,
         )
         sq = _flat_sq_norms(grads)
 

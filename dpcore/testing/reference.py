@@ -2,17 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from dpcore.losses import per_example_loss_fn
+from dpcore.validation import walk_layers
 
 
 def _example(structure: Any, i: int) -> Any:
     return tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[i : i + 1], structure)
+
+
+class _Recorded:
+    """A layer's activity regularizer that also keeps what it returns to Keras."""
+
+    def __init__(self, regularizer: Any, kept: list[Any]) -> None:
+        self.regularizer = regularizer
+        self.kept = kept
+
+    def __call__(self, output: Any) -> Any:
+        value = self.regularizer(output)
+        self.kept.append(value)
+        return value
+
+
+@contextlib.contextmanager
+def _activity_penalties(model: Any) -> Iterator[list[Any]]:
+    """The activity regularizers' penalties of the model calls inside it, as Keras computes them
+    (one per regularized output, before Keras divides it by the batch size)."""
+    kept: list[Any] = []
+    swapped = []
+    for _, layer in walk_layers(model):
+        regularizer = getattr(layer, "activity_regularizer", None)
+        if regularizer is not None:
+            swapped.append((layer, regularizer))
+            layer.activity_regularizer = _Recorded(regularizer, kept)
+    try:
+        yield kept
+    finally:
+        for layer, regularizer in swapped:
+            layer.activity_regularizer = regularizer
 
 
 def _loss_and_grads(
@@ -31,7 +64,12 @@ def _loss_and_grads(
     with tf.GradientTape() as tape:
         if wrt_inputs:
             tape.watch(tf.nest.flatten(xi))
-        value = weight * tf.reduce_sum(loss_fn(yi, model(xi, training=training)))
+        with _activity_penalties(model) as penalties:
+            y_pred = model(xi, training=training)
+        value = weight * tf.reduce_sum(loss_fn(yi, y_pred))
+        # What Keras adds to model.losses for this call of one row: the penalties, unweighted.
+        for penalty in penalties:
+            value += tf.cast(penalty, value.dtype)
     if wrt_inputs:
         grads, xgrad = tape.gradient(value, (list(variables), xi))
     else:
@@ -59,6 +97,11 @@ def reference_per_example_gradients(
     training: bool = False,
 ) -> list[np.ndarray]:
     """Per-example gradients ``[B, *var.shape]`` for each variable, one eager tape per example.
+
+    Example ``i``'s loss is its weighted loss plus the penalties of the model's activity
+    regularizers on the call of that example alone, which Keras adds to ``model.losses`` (divided
+    by the batch size of one) and does not weight; the weight regularizers and ``add_loss`` terms
+    are not included (dpcore adds the terms of the weights alone once per step, after the noise).
 
     Args:
       model: any callable Keras model or layer.
