@@ -38,7 +38,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from dpcore_experiments import cli, common
+from dpcore_experiments.lib import cli, common
 from dpcore_experiments.train import DATASETS, MODELS, build_model
 
 SCORES = ("loss", "loss_decrease")

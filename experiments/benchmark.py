@@ -10,7 +10,7 @@ other row's ratio to it, measured in the same run. A per-row timeout and a per-r
 memory cap stop pathological configurations (the row says so instead of hanging the run).
 
 With ``--peer``, the same rows are produced for TensorFlow Privacy 0.9.0 by
-``experiments/peer_bench.py`` in its own TensorFlow 2.15 virtual environment; each peer row's
+``experiments/peers/bench.py`` in its own TensorFlow 2.15 virtual environment; each peer row's
 ratio is to the peer's own non-private step.
 
 Methods (dpcore side), the path users run (ratios to the plain Keras ``fit`` row):
@@ -43,7 +43,7 @@ Engine-level breakdown (a hand-written step around one engine call; ratios to
 KerasHub models (dpcore only, opt-in: not in the default ``--models``, no peer rows):
 ``bert``, ``gpt2`` (2 layers, hidden 256, T = 128, vocabulary 8192), ``bert_lora``,
 ``gpt2_lora`` (the same with rank-8 LoRA) and ``gpt2_small`` (12 layers, hidden 768, vocabulary
-50257, T = 256); see :mod:`dpcore_experiments.hub_models`. Both sides of a ratio compile alike:
+50257, T = 256); see :mod:`dpcore_experiments.lib.hub_models`. Both sides of a ratio compile alike:
 SGD, the same loss, no metrics (a KerasHub task compiles itself with Adam and an accuracy
 metric when it is built, and recompiling with ``metrics=None`` keeps that metric: the plain side
 passes empty lists) and ``jit_compile=False`` (the ``DPModel`` default; plain Keras' ``"auto"``
@@ -68,7 +68,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app, flags
-from dpcore_experiments import common, hub_models, zoo
+from dpcore_experiments.lib import common, hub_models, zoo
 
 MODELS = zoo.BENCH_MODELS
 HUB_MODELS = hub_models.BENCH_MODELS  # dpcore-only, opt-in (never in the default --models)
@@ -142,8 +142,8 @@ def _define_flags() -> None:
 
 
 def build_model(name: str, *, seed: int = 0) -> Any:
-    """The benchmark model of that name (a built Keras 3 model; :mod:`dpcore_experiments.zoo`,
-    or :mod:`dpcore_experiments.hub_models` for ``HUB_MODELS``).
+    """The benchmark model of that name (a built Keras 3 model; :mod:`dpcore_experiments.lib.zoo`,
+    or :mod:`dpcore_experiments.lib.hub_models` for ``HUB_MODELS``).
 
     Args:
       name: one of ``MODELS`` or ``HUB_MODELS``.
@@ -872,11 +872,11 @@ def format_tables(rows: list[dict]) -> str:
 def peer_python() -> str:
     """Path of the peer env's Python (TF 2.15.1 + tensorflow-privacy 0.9.0), built on first use.
 
-    ``--peer_python`` if given, else :func:`dpcore_experiments.peer_env.ensure_peer_env`.
+    ``--peer_python`` if given, else :func:`dpcore_experiments.peers.env.ensure_peer_env`.
     """
     if FLAGS.peer_python:
         return FLAGS.peer_python
-    from dpcore_experiments.peer_env import ensure_peer_env
+    from dpcore_experiments.peers.env import ensure_peer_env
 
     return str(ensure_peer_env())
 
@@ -925,7 +925,7 @@ def run_benchmark() -> list[dict]:
                 jobs += [("peer", *c) for c in _rows_plan([model], FLAGS.peer_methods, [b])]
     if FLAGS.peer:
         peer_py = peer_python()
-        peer_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_bench.py")
+        peer_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "bench.py")
     rows = []
     for k, (side, model, method, b) in enumerate(jobs, 1):
         slow = method in (SLOW_METHODS if side == "dpcore" else ("dpkeras", "vectorized"))

@@ -43,7 +43,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from dpcore_experiments import cli, common, hub_models
+from dpcore_experiments.lib import cli, common, hub_models
 
 RESULTS_FILE = "results.json"
 BYTE_VOCABULARY = 257  # 256 byte values + padding (id 0)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from absl import flags
-from dpcore_experiments import cli, common, zoo
+from dpcore_experiments.lib import cli, common, zoo
 
 FLAGS = flags.FLAGS
 RESULTS_FILE = "gradient_stats.json"

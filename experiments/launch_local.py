@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from dpcore_experiments import cli
+from dpcore_experiments.lib import cli
 
 __all__ = ["WorkerRun", "free_ports", "launch", "tf_config"]
 

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from absl import flags
-from dpcore_experiments import cli, common, zoo
+from dpcore_experiments.lib import cli, common, zoo
 
 DATASETS = ("digits", "fashion_mnist", "mnist")
 RESULTS_FILE = "results.json"

@@ -47,7 +47,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from dpcore_experiments import cli, common, zoo
+from dpcore_experiments.lib import cli, common, zoo
 
 DATASETS = ("digits", "fashion_mnist", "mnist")
 MODELS = ("mlp", "cnn", "scatter_linear")
@@ -155,7 +155,7 @@ def scatter_features(
     A fixed per-example map (no privacy cost); computed once and kept in `feature_cache` (an
     .npz path) when one is given, keyed by the images it was computed from.
     """
-    from dpcore_experiments import scatternet
+    from dpcore_experiments.lib import scatternet
 
     key = np.array(
         [

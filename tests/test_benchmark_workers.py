@@ -1,4 +1,4 @@
-"""Tests for experiments/benchmark_workers.py: 1 and 2 local workers, timed end to end.
+"""Tests for experiments/dev/benchmark_workers.py: 1 and 2 local workers, timed end to end.
 
 The 1-worker launch is a one-replica MultiWorkerMirroredStrategy, where the DP optimizer's
 inner all-reduce needs a merge call like any multi-replica strategy.
@@ -18,7 +18,7 @@ def test_one_and_two_workers_are_timed(tmp_path):
         [
             sys.executable,
             "-m",
-            "dpcore_experiments.benchmark_workers",
+            "dpcore_experiments.dev.benchmark_workers",
             "--workers=1,2",
             "--models=mlp",
             "--batch_size=8",

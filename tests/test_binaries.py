@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from dpcore_experiments import cli
+from dpcore_experiments.lib import cli
 
 BIN = os.path.dirname(sys.executable)
 SCRIPTS = (

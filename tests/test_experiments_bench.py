@@ -335,7 +335,7 @@ def _digits_subset():
 
 
 def test_interleaved_step_times_both_steps_of_a_checkout():
-    from dpcore_experiments import interleaved_step
+    from dpcore_experiments.dev import interleaved_step
 
     row = interleaved_step.measure(ROOT, "mlp", 4, rounds=2, warmup=1)
     assert set(row["median_ms"]) == {"nonprivate_step", "fast"}
@@ -396,7 +396,7 @@ def test_unit_fit_rows_clip_each_unit_once_over_the_same_rows(method):
 
 
 def test_interleaved_fit_times_every_method_against_keras_fit():
-    from dpcore_experiments import interleaved_fit
+    from dpcore_experiments.dev import interleaved_fit
 
     rows = interleaved_fit.measure(
         "mlp", 8, ["make_private_fit_float_labels", "make_private_fit_user8"], rounds=2, warmup=1

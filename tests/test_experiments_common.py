@@ -1,4 +1,4 @@
-"""Tests of the shared experiments modules: dpcore_experiments.common and dpcore_experiments.zoo."""
+"""Tests of the shared experiments modules: dpcore_experiments.lib.common and dpcore_experiments.lib.zoo."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import keras
 import numpy as np
 import pytest
-from dpcore_experiments import common, zoo
+from dpcore_experiments.lib import common, zoo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ def test_small_models_build_on_digits_and_28x28_inputs():
 
 def test_zoo_and_common_import_neither_tensorflow_nor_dpcore():
     code = (
-        "import sys; sys.path.insert(0, 'experiments'); import zoo, common; "
+        "import sys; sys.path.insert(0, 'experiments/lib'); import zoo, common; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras', 'dpcore')]; "
         "assert not bad, bad"
     )

@@ -96,7 +96,7 @@ def test_saved_dp_model_loads_in_a_fresh_process_after_import_dpcore(tmp_path):
 
 
 def test_startup_noise_filter_drops_only_known_lines():
-    from dpcore_experiments.tf_startup import is_startup_noise
+    from dpcore_experiments.lib.tf_startup import is_startup_noise
 
     noise = [
         "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
@@ -136,7 +136,7 @@ def test_experiment_binaries_import_tensorflow_without_startup_noise():
         [
             sys.executable,
             "-c",
-            "from dpcore_experiments.tf_startup import import_tensorflow_quietly\n"
+            "from dpcore_experiments.lib.tf_startup import import_tensorflow_quietly\n"
             "tf = import_tensorflow_quietly()\n"
             "import keras\n"
             "print(float(tf.constant(1.0) + 1))",

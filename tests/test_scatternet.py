@@ -1,8 +1,8 @@
-"""Tests for the scattering features of experiments/scatternet.py (numpy only, fast)."""
+"""Tests for the scattering features of experiments/lib/scatternet.py (numpy only, fast)."""
 
 import numpy as np
 import pytest
-from dpcore_experiments import scatternet
+from dpcore_experiments.lib import scatternet
 
 
 def test_shapes_and_channel_count():

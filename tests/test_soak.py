@@ -1,4 +1,4 @@
-"""experiments/soak.py with tiny settings: it runs, reports, and its checks can fail."""
+"""experiments/dev/soak.py with tiny settings: it runs, reports, and its checks can fail."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import keras
 import numpy as np
 import pytest
-from dpcore_experiments import soak
+from dpcore_experiments.dev import soak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ def test_soak_binary_reports_memory_traces_and_epsilon(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [
         sys.executable,
-        os.path.join(ROOT, "experiments", "soak.py"),
+        os.path.join(ROOT, "experiments", "dev", "soak.py"),
         "--mlp_steps=6",
         "--hub_steps=4",
         "--check_step=3",

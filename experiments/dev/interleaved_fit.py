@@ -18,9 +18,9 @@ A step is one call of the model's own train function (what ``fit`` calls per bat
 integer labels' ``make_private_fit`` steps, which run beside it.
 
 Usage:
-  python experiments/interleaved_fit.py --models=mlp,cnn --batch_sizes=256,1024 \\
+  python experiments/dev/interleaved_fit.py --models=mlp,cnn --batch_sizes=256,1024 \\
       --methods=nonprivate,make_private_fit,make_private_fit_aug4,make_private_fit_user8
-  python experiments/interleaved_fit.py --models=mlp,cnn --batch_sizes=256,1024 \
+  python experiments/dev/interleaved_fit.py --models=mlp,cnn --batch_sizes=256,1024 \
       --methods=make_private_fit,make_private_fit_float_labels --rounds=10
 
 Privacy:

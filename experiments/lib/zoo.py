@@ -4,8 +4,9 @@ Contract:
   * Imports nothing at module level but the standard library, and never dpcore or TensorFlow:
     every builder takes the Keras module to build with (``keras`` under Keras 3, ``tf.keras``
     in the peer's TensorFlow 2.15 / Keras 2 environment), and uses only layer arguments both
-    versions accept. The dpcore side imports it as ``dpcore_experiments.zoo``; the peer's
-    ``experiments/peer_bench.py`` runs as a script next to it and imports it as ``zoo``.
+    versions accept. The dpcore side imports it as ``dpcore_experiments.lib.zoo``; the peer's
+    ``experiments/peers/bench.py`` runs as a script, puts this folder on `sys.path` and imports
+    it as ``zoo``.
   * The benchmark models (``BENCH_MODELS``) and their synthetic batches are defined here once,
     so both sides time the same networks on the same data.
   * The training experiments' small models (the tanh MLP and the Tramèr & Boneh CNN) are

@@ -27,7 +27,7 @@ _CHECK = (
 
 def default_env_dir() -> Path:
     """`<repo root>/.peer-venv` (the repo root is the parent of `experiments/`)."""
-    return Path(__file__).resolve().parent.parent / ".peer-venv"
+    return Path(__file__).resolve().parents[2] / ".peer-venv"
 
 
 def _find_python311() -> str:

@@ -3,11 +3,11 @@
 Contract: for a fixed grid of DP-SGD settings, runs the peer's
 `compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy_statement` and
 `compute_noise_from_budget_lib.compute_noise` in the peer's own venv (a subprocess; see
-`peer_env.py`), computes the same quantities with dpcore, and prints a Markdown table of both
+`peers/env.py`), computes the same quantities with dpcore, and prints a Markdown table of both
 with their differences. Not a unit test: it needs the peer environment (built on first use).
 
 Usage:
-  .venv/bin/python -m dpcore_experiments.peer_parity --output_json=runs/peer_parity.json
+  .venv/bin/python -m dpcore_experiments.peers.parity --output_json=runs/peer_parity.json
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _rel(a: float, b: float) -> str:
 
 def compare(with_pld: bool = True, env_dir: str | None = None) -> dict[str, Any]:
     """Runs the peer and dpcore on the grid; returns rows and Markdown tables."""
-    from dpcore_experiments import peer_env
+    from dpcore_experiments.peers import env as peer_env
 
     python = peer_env.ensure_peer_env(env_dir)
     versions = peer_env.peer_versions(python)

@@ -4,7 +4,7 @@ Same MLP (784-512-256-10, the benchmark zoo's), same config (N=8192, expected ba
 steps per epoch), one epoch per fit, the two alternated for ``--rounds`` rounds in one process;
 each fit's first step (iterator start) is excluded. Prints the median and quartiles per path.
 
-    python experiments/fit_sampling_bench.py --rounds=5
+    python experiments/dev/fit_sampling_bench.py --rounds=5
 """
 
 import time

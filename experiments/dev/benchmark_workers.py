@@ -4,7 +4,7 @@ Contract:
   * For each worker count W in `--workers` the driver starts W local workers
     (`dpcore_experiments.launch_local.launch`, `MultiWorkerMirroredStrategy` on 127.0.0.1) that
     run this program with `--worker_mode`. Every worker times, on each model of `--models`
-    (the MLP and CNN of `dpcore_experiments.zoo`), two custom loops under the same strategy over
+    (the MLP and CNN of `dpcore_experiments.lib.zoo`), two custom loops under the same strategy over
     the same global batch of `--batch_size` rows (B / W synthetic rows per worker, all real):
     `strategy.run(dpcore.dp_train_step)` (clip per example on each worker, all-reduce the
     clipped sums, noise once) and a non-private step (mean loss gradient, applied by the same
@@ -17,7 +17,7 @@ Contract:
   * Timings are of this machine as it runs; nothing here asserts a speed.
 
 Example:
-  python -m dpcore_experiments.benchmark_workers --workers=1,2 --models=mlp,cnn \\
+  python -m dpcore_experiments.dev.benchmark_workers --workers=1,2 --models=mlp,cnn \\
       --batch_size=256 --output=bench_workers.json
 """
 
@@ -36,7 +36,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("workers", ["1", "2"], "Worker counts to time.")
-flags.DEFINE_list("models", ["mlp", "cnn"], "Models of dpcore_experiments.zoo (mlp, cnn).")
+flags.DEFINE_list("models", ["mlp", "cnn"], "Models of dpcore_experiments.lib.zoo (mlp, cnn).")
 flags.DEFINE_integer("batch_size", 256, "Global batch (rows per step over all workers).")
 flags.DEFINE_integer("steps", 20, "Timed steps per loop.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps per loop (tracing).")
@@ -68,7 +68,7 @@ def _time_model(strategy: Any, name: str, batch_size: int) -> dict[str, Any]:
     import keras
     import numpy as np
     import tensorflow as tf
-    from dpcore_experiments import zoo
+    from dpcore_experiments.lib import zoo
 
     import dpcore
     from dpcore import distribute
@@ -164,7 +164,7 @@ def main(argv: Sequence[str]) -> None:
         argv = [
             sys.executable,
             "-m",
-            "dpcore_experiments.benchmark_workers",
+            "dpcore_experiments.dev.benchmark_workers",
             "--worker_mode",
             f"--worker_output={out}",
             f"--models={','.join(FLAGS.models)}",
@@ -192,7 +192,7 @@ def main(argv: Sequence[str]) -> None:
         "results": gathered,
     }
     if FLAGS.output:
-        from dpcore_experiments.common import write_json_atomic
+        from dpcore_experiments.lib.common import write_json_atomic
 
         write_json_atomic(FLAGS.output, payload)
     print(_table(gathered, FLAGS.batch_size))

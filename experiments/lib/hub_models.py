@@ -9,7 +9,7 @@ Contract:
   * ``keras_hub`` is imported inside the functions, so importing this module costs nothing and
     works where KerasHub is not installed (the Keras 2 peer environment never imports it).
   * The benchmark configurations (``BENCH_MODELS``) are dpcore-only and opt-in: they are not in
-    :data:`dpcore_experiments.zoo.BENCH_MODELS`, which the peer shares. Their synthetic batches
+    :data:`dpcore_experiments.lib.zoo.BENCH_MODELS`, which the peer shares. Their synthetic batches
     are full-length sequences (no padding) so both sides of a comparison do the same work.
 """
 

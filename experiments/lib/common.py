@@ -1,7 +1,7 @@
 """Helpers shared by the dpcore-side experiments: JSON output and memory probes.
 
 Contract: standard library only (no TensorFlow, no dpcore), so any experiment can import it
-cheaply. The model definitions live in :mod:`dpcore_experiments.zoo`.
+cheaply. The model definitions live in :mod:`dpcore_experiments.lib.zoo`.
 """
 
 from __future__ import annotations

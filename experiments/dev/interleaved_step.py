@@ -8,7 +8,7 @@ checkout (e.g. two ``git worktree``s, before and after a change), alternating th
 compare the ratios: drift of the machine's load cancels within each ratio.
 
 Usage:
-  python experiments/interleaved_step.py --tree=/path/to/checkout --model=cnn --batch_size=256
+  python experiments/dev/interleaved_step.py --tree=/path/to/checkout --model=cnn --batch_size=256
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Contract: runs inside the peer's own environment (TensorFlow 2.15.1, Keras 2,
 tensorflow-privacy 0.9.0; see ``experiments/benchmark.py --peer``), never in dpcore's. It builds
-the same four benchmark models as ``experiments/benchmark.py`` (``experiments/zoo.py``) with
+the same four benchmark models as ``experiments/benchmark.py`` (``experiments/lib/zoo.py``) with
 ``tf.keras``, times the
 compiled model's own ``train_step`` (wrapped in one ``tf.function``) for one method and prints one line ``BENCH_RESULT {json}`` with the same
 fields as dpcore's rows. It imports nothing from dpcore.
@@ -19,17 +19,21 @@ Methods:
                 ``use_xla=False``, like every other row.
 
 Usage (inside the peer env):
-  python experiments/peer_bench.py --model=mlp --method=dpsequential --batch_size=256
+  python experiments/peers/bench.py --model=mlp --method=dpsequential --batch_size=256
 """
 
 import json
+import os
 import statistics
 import sys
 import time
 
-import common  # stdlib only; next to this script (sys.path[0])
-import zoo  # plain Keras builders, Keras 2 and 3: the same models as dpcore's benchmark
-from absl import app, flags
+# experiments/lib, where common.py and zoo.py live, as plain modules: this runs in the peer's
+# environment, where dpcore_experiments is not installed.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "lib"))
+import common  # noqa: E402  (stdlib only)
+import zoo  # noqa: E402  (plain Keras builders, Keras 2 and 3: the same models as dpcore's benchmark)
+from absl import app, flags  # noqa: E402
 
 RESULT_PREFIX = "BENCH_RESULT "
 MODELS = zoo.BENCH_MODELS

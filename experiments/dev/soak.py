@@ -25,7 +25,7 @@ ones, or when the two ε differ by more than 1e-9 relative. The summary is print
 written to ``--json``); the exit status is 1 when a check failed.
 
 Usage (the issue's lengths):
-  python experiments/soak.py --mlp_steps=5000 --hub_steps=2000 --json=runs/soak.json
+  python experiments/dev/soak.py --mlp_steps=5000 --hub_steps=2000 --json=runs/soak.json
 
 Privacy:
   Synthetic data; the runs clip and noise every step and account with dp-accounting, but the
@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from absl import flags
-from dpcore_experiments import cli, common
+from dpcore_experiments.lib import cli, common
 
 FLAGS = flags.FLAGS
 HUB_ARCHITECTURES = ("gpt2", "bert")
@@ -251,7 +251,7 @@ def mlp_phase(steps: int) -> dict[str, Any]:
 def hub_phase(steps: int) -> dict[str, Any]:
     import keras
     import numpy as np
-    from dpcore_experiments import hub_models
+    from dpcore_experiments.lib import hub_models
 
     size = hub_models.HubSize(
         num_layers=FLAGS.hub_layers,
@@ -302,7 +302,7 @@ the peak memory after --check_step and at the end, the traced train steps and sh
 bodies, and epsilon against dp-accounting's. Exits with status 1 when a check fails.
 
 Example:
-  python experiments/soak.py --mlp_steps=5000 --hub_steps=2000 --json=runs/soak.json
+  python experiments/dev/soak.py --mlp_steps=5000 --hub_steps=2000 --json=runs/soak.json
 """
 
 

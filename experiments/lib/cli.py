@@ -155,7 +155,7 @@ def output_dir(value: str | None, program: str, *, flag: str = "output_dir") -> 
 def _quiet_tensorflow() -> None:
     """Imports TensorFlow without its start-up noise; absl logs warnings and up by default."""
     from absl import flags, logging
-    from dpcore_experiments.tf_startup import import_tensorflow_quietly
+    from dpcore_experiments.lib.tf_startup import import_tensorflow_quietly
 
     import_tensorflow_quietly()
     if not flags.FLAGS["verbosity"].present:

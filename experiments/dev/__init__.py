@@ -1,0 +1,1 @@
+"""Developer tools: before/after timings, soak runs, multi-worker and sampler benchmarks."""
