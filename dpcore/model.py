@@ -205,6 +205,55 @@ def _sample_weights(sample_weight: Any, class_weight: Any, y: Any, n: int) -> An
     return np.array([class_weight[int(c)] for c in classes], np.float32)
 
 
+def _class_weighted(data: tf.data.Dataset, class_weight: Any) -> tf.data.Dataset:
+    """A sampler's ``(x, y, mask, step_end)`` batches with each row's ``class_weight`` carried
+    with its labels, as ``fit``'s own sampler carries weights (Keras's rule for the class: the
+    label itself, or the argmax of a one-hot label; keys must be ``0 .. K-1``, as Keras asks).
+
+    Privacy:
+      A row's weight is a function of that row's label alone; it multiplies the row's loss
+      before its gradient is clipped.
+    """
+    spec = sampling.as_sampled_batch(data.element_spec)
+    assert spec is not None
+    y_spec = spec.y
+    if isinstance(y_spec, (dict, list, tuple)) or y_spec.shape.rank not in (1, 2):
+        raise ValueError(
+            "class_weight needs one array of labels (class indices or one-hot) per batch; for "
+            "other labels, weight the examples in the loss."
+        )
+    keys = sorted(int(k) for k in class_weight)
+    if keys != list(range(len(keys))):
+        raise ValueError(
+            f"class_weight keys must be the classes 0 .. K-1 (got {keys}); give every class a "
+            "weight."
+        )
+    table = tf.constant([float(class_weight[k]) for k in keys], tf.float32)
+
+    def attach(*element: Any) -> sampling.SampledBatch:
+        # A SampledBatch element comes as one argument, a plain 4-tuple as four.
+        batch = sampling.as_sampled_batch(element[0] if len(element) == 1 else element)
+        assert batch is not None
+        y = tf.convert_to_tensor(batch.y)
+        if y.shape.rank == 2 and y.shape[-1] != 1:
+            classes = tf.argmax(y, axis=-1, output_type=tf.int32)
+        else:
+            classes = tf.cast(tf.round(tf.cast(tf.reshape(y, [-1]), tf.float64)), tf.int32)
+        real = tf.cast(batch.mask, tf.float32) > 0
+        known = tf.reduce_all((classes >= 0) & (classes < len(keys)) | tf.logical_not(real))
+        check = tf.debugging.Assert(
+            known,
+            [f"dpcore: a label of the batch is not a class of class_weight (0 .. {len(keys) - 1})"],
+        )
+        with tf.control_dependencies([check]):
+            weights = tf.gather(table, tf.clip_by_value(classes, 0, len(keys) - 1))
+        return sampling.SampledBatch(
+            batch.x, _WeightedLabels(batch.y, weights), batch.mask, batch.step_end
+        )
+
+    return data.map(attach, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
 def _split_validation(arguments: dict[str, Any]) -> dict[str, Any]:
     """Arrays' ``validation_split`` done before sampling: Keras's split, the last rows."""
     split = arguments.get("validation_split") or 0.0
@@ -547,7 +596,8 @@ class DPModel(keras.Model):
           ``expected_batch_size / accumulation_steps`` rows (``batch_size`` defaults to it and
           may not contradict it), accounted without amplification.
         - A sampler's dataset (``(x, y, mask, step_end)``, e.g. ``poisson_batches``) is used as
-          given: its batches are the sampled ones, never reshuffled. Its ``SamplingSpec`` gives
+          given: its batches are the sampled ones, never reshuffled; ``class_weight`` weights
+          each row by its label's class, as on arrays (keys ``0 .. K-1``). Its ``SamplingSpec`` gives
           Keras the epoch's length in logical steps (``spec.steps``, unless ``steps_per_epoch``
           is given), so the progress bar has a total from the first epoch; each epoch is a new
           pass over it (fresh samples).
@@ -613,6 +663,8 @@ class DPModel(keras.Model):
             self.data_feed = "arrays"
             return super().fit(**arguments)
         self.data_feed = "arrays" if own_sampler else "masked_batches" if masked else "dataset"
+        if masked and arguments.get("class_weight"):
+            x = _class_weighted(x, arguments.pop("class_weight"))
         if masked:
             self._start_pass_at_step_boundary()
             if self.sampling_spec is not None:

@@ -88,6 +88,45 @@ def test_fit_step_is_the_reference_clipped_mean(kind):
         np.testing.assert_allclose(w1.numpy(), w0 - g, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("labels", ["sparse", "one_hot"])
+def test_class_weight_on_sampler_batches_weights_each_row_by_its_class(labels):
+    """fit(poisson_batches(...), class_weight=...) weights every row's loss by its class before
+    clipping, as fit on arrays does; a label with no class weight fails the step."""
+    x, y = _data()
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    model = _model("mlp")
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    y_fed, loss = y, LOSS
+    if labels == "one_hot":
+        y_fed = np.eye(3, dtype="float32")[y]
+        loss = keras.losses.CategoricalCrossentropy(from_logits=True)
+    weights = np.array([class_weight[int(c)] for c in y], "float32")
+    grads = reference_per_example_gradients(model, loss, x, y_fed, sample_weight=weights)
+    clip = 0.5 * float(np.median(reference_per_example_norms(grads)))
+    expected = reference_clipped_mean(grads, l2_norm_clip=clip, expected_batch_size=len(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # σ = 0 is not private; this test checks the weights only
+        dp_model = dpcore.make_private(
+            model,
+            optimizer=keras.optimizers.SGD(1.0),
+            loss=loss,
+            l2_norm_clip=clip,
+            noise_multiplier=0.0,
+            expected_batch_size=float(len(x)),
+        )
+        batches = dpcore.sampling.poisson_batches(x, y_fed, sampling_prob=1.0, steps=1, seed=0)
+        dp_model.fit(batches, class_weight=class_weight, verbose=0)
+        for w0, w1, g in zip(before, model.trainable_variables, expected):
+            np.testing.assert_allclose(w1.numpy(), w0 - g, rtol=1e-4, atol=1e-6)
+        after = [v.numpy().copy() for v in model.trainable_variables]
+        with pytest.raises(ValueError, match="not a class of class_weight"):
+            dp_model.fit(batches, class_weight={0: 1.0, 1: 1.0}, verbose=0)
+        with pytest.raises(ValueError, match="keys must be the classes 0 .. K-1"):
+            dp_model.fit(batches, class_weight={0: 1.0, 2: 1.0}, verbose=0)
+    for w0, w1 in zip(after, model.trainable_variables):
+        np.testing.assert_array_equal(w1.numpy(), w0)
+
+
 def _keras_divides_activity_penalty():
     """Whether this Keras adds an activity penalty divided by the batch size (the batch's mean)."""
     layer = keras.layers.Dense(
