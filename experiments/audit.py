@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 from dpcore_experiments.lib import cli, common
-from dpcore_experiments.train import DATASETS, MODELS, build_model
+from dpcore_experiments.lib.train_model import build_model
+from dpcore_experiments.lib.train_plan import DATASETS, MODELS
 
 SCORES = ("loss", "loss_decrease")
 RESULTS_FILE = "audit.json"

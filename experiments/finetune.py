@@ -242,7 +242,8 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
       on the raw text and are NOT private: diagnostics for the experimenter only.
     """
     import keras
-    from dpcore_experiments.train import _versions, privacy_report
+    from dpcore_experiments.lib.train_model import versions
+    from dpcore_experiments.lib.train_plan import privacy_report
 
     from dpcore import sampling
     from dpcore.callbacks import EpsilonCallback
@@ -328,7 +329,7 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
         "train_time_s": train_time,
         "steps": int(epsilon_log.ledger.steps),
         "ledger": epsilon_log.ledger.to_dict(),
-        "versions": _versions(),
+        "versions": versions(),
     }
     if settings.output_dir:
         path = os.path.join(settings.output_dir, RESULTS_FILE)
