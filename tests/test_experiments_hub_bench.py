@@ -14,7 +14,8 @@ pytest.importorskip(
     "keras_hub", reason="keras-hub is not installed (pip install -e '.[test]' installs it)"
 )
 
-from dpcore_experiments import benchmark, hub_models, zoo  # noqa: E402
+from dpcore_experiments import benchmark  # noqa: E402
+from dpcore_experiments.lib import hub_models, zoo  # noqa: E402
 
 
 def test_hub_models_are_opt_in_and_not_shared_with_the_peer():
