@@ -209,7 +209,12 @@ def activity_weights(mask: tf.Tensor, *, group_size: int, group_reduction: str) 
 def _keras_divides_by_batch_size() -> bool:
     """Whether this Keras divides an activity penalty by the batch size (3.6 does not)."""
     with tf.init_scope():
-        layer = keras.layers.Activation("linear", activity_regularizer=keras.regularizers.L1(1.0))
+        # Named, so that it takes no automatic layer name from the user's models.
+        layer = keras.layers.Activation(
+            "linear",
+            activity_regularizer=keras.regularizers.L1(1.0),
+            name="dpcore_activity_division_probe",
+        )
         with keras.StatelessScope(collect_losses=True) as scope:
             layer(tf.ones([2, 1]))
         return bool(abs(float(tf.add_n(list(scope.losses))) - 1.0) < 1e-6)
