@@ -30,7 +30,6 @@ each example's loss (:mod:`dpcore.engine.activity`).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -450,8 +449,12 @@ def regularization(model: Any, x: Any, *, training: Any) -> Regularization | Non
     agree. A term that depends on the data only at values no probe hits (``tf.where(x == c,
     ...)``) would pass this check; it is then evaluated on batch A at every step, never on the
     data (see :class:`Regularization`), so it cannot carry information about the examples: the
-    check keeps the update equal to Keras's, the synthetic evaluation keeps it private. Results
-    are cached per model, layers, variables, input signature and mode.
+    check keeps the update equal to Keras's, the synthetic evaluation keeps it private. A model
+    that fails on batch A (e.g. it asserts its inputs are non-negative) is traced instead
+    (nothing runs): without ``add_loss`` terms there is nothing to evaluate; with some, it is
+    refused, since they could be neither checked nor evaluated without the data, and leaving
+    them out would train on another loss than Keras's. Results are cached per model, layers,
+    variables, input signature and mode.
 
     Args:
       model: the Keras model being trained.
@@ -528,6 +531,46 @@ def _synthetic_inputs(x: Any, rows: int, seed: int, *, fill: int) -> Any:
     return tf.nest.map_structure(leaf, x)
 
 
+def _traced_added_loss_count(model: Any, x: Any, training: bool) -> int:
+    """How many ``add_loss`` terms one call of ``model`` on inputs like ``x`` adds (activity
+    penalties left out), found by tracing the call on inputs of ``x``'s shapes and dtypes in a
+    scratch graph (nothing runs).
+
+    Raises:
+      ValueError: if the call cannot be traced, so whether it adds terms is unknown.
+    """
+    from dpcore.engine import activity
+
+    leaves = tf.nest.flatten(x)
+    shaped = [hasattr(t, "shape") and hasattr(t, "dtype") for t in leaves]
+    specs = [
+        tf.TensorSpec(tf.TensorShape(t.shape), tf.as_dtype(t.dtype))
+        for t, s in zip(leaves, shaped)
+        if s
+    ]
+    counts: list[int] = []
+
+    def trace(*flat: tf.Tensor) -> tf.Tensor:
+        it = iter(flat)
+        inputs = tf.nest.pack_sequence_as(x, [next(it) if s else t for t, s in zip(leaves, shaped)])
+        with keras.StatelessScope(collect_losses=True, initialize_variables=False) as scope:
+            with activity.capture(model, scope=scope) as sink:
+                model(inputs, training=training)
+        counts.append(len(scope.losses) - len(set(sink.keras_indices)))
+        return tf.zeros([])
+
+    try:
+        with tf.init_scope():
+            tf.function(trace, autograph=False).get_concrete_function(*specs)
+    except Exception as err:  # noqa: BLE001 - any failure leaves the question open
+        raise ValueError(
+            f"dpcore: model {getattr(model, 'name', model)!r} could be neither called on synthetic "
+            f"inputs nor traced ({type(err).__name__}), so whether it adds losses with add_loss "
+            "cannot be checked; make it run on any inputs of its input shapes."
+        ) from err
+    return counts[0]
+
+
 def _added_loss_inputs(model: Any, x: Any, training: bool, variables: Sequence[Any]) -> Any:
     """The synthetic batch to evaluate the model's ``add_loss`` terms on, or None if it has none.
 
@@ -557,14 +600,15 @@ def _added_loss_inputs(model: Any, x: Any, training: bool, variables: Sequence[A
                 first = _added_losses(model, watched, training)
                 total = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in first] or [0.0])
         except Exception as err:  # noqa: BLE001 - the model may not run on synthetic rows
-            warnings.warn(
-                f"dpcore: could not call model {name!r} on synthetic inputs to look for add_loss "
-                f"terms ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                "the update includes its weight regularizers but no add_loss term.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return None
+            if _traced_added_loss_count(model, x, training) == 0:
+                return None  # no add_loss term to evaluate: nothing is left out
+            raise ValueError(
+                f"dpcore: model {name!r} adds losses with add_loss, and calling it on synthetic "
+                f"inputs failed ({type(err).__name__}), so whether they depend on the batch "
+                "cannot be checked and they cannot be evaluated without the data; make the model "
+                "run on any inputs of its input shapes, or move the terms into the per-example "
+                "loss."
+            ) from err
         if not first:
             return None
         grads = tape.gradient(total, floats) if floats else []

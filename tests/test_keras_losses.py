@@ -594,6 +594,48 @@ def test_activity_penalty_of_huge_activations_is_clipped(method, rng):
     assert clip * 0.999 < moved <= clip * (1 + 1e-5)
 
 
+class NonNegative(keras.layers.Layer):
+    """Passes its inputs on, failing on a negative one (as a model of counts or images might)."""
+
+    def call(self, x):
+        tf.debugging.assert_non_negative(x, message="inputs must be non-negative")
+        return x
+
+
+@pytest.mark.parametrize("penalty", [WeightPenalty, None], ids=["add_loss", "no_add_loss"])
+def test_add_loss_that_cannot_be_evaluated_without_the_data_is_refused(penalty, rng):
+    # The synthetic batch (normals) fails the model's own check: a weight-only add_loss term can
+    # then be neither checked nor evaluated, and leaving it out would train another loss than
+    # Keras's. Without add_loss terms nothing is left out and the model trains.
+    x = np.abs(rng.normal(size=(8, 4))).astype("float32")
+    y = rng.integers(0, 3, 8).astype("int32")
+    layers = [keras.Input((4,)), NonNegative(), keras.layers.Dense(5)]
+    layers += [penalty(name="penalty")] if penalty is not None else []
+    model = keras.Sequential([*layers, keras.layers.Dense(3)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    dp = make_private(
+        model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=loss,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+        options=dpcore.ExecutionOptions(method="vectorized"),
+    )
+    before = _weights(model)
+    batches = dpcore.sampling.poisson_batches(x, y, sampling_prob=1.0, steps=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*add_loss")
+        if penalty is None:
+            dp.fit(batches, verbose=0)
+            assert int(dp.optimizer.dp_steps) == 1
+            return
+        with pytest.raises(ValueError, match="adds losses with add_loss, and calling it on synth"):
+            dp.fit(batches, verbose=0)
+    for got, want in zip(_weights(model), before):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_weight_only_terms_are_evaluated_without_the_data():
     # The add_loss term comes from a synthetic batch: its gradient is the same for any inputs.
     model = two_outputs(as_dict=True)
