@@ -554,6 +554,33 @@ def test_activity_regularizer_that_may_mix_examples_is_refused(regularizer, rng)
     assert model.get_layer("act").activity_regularizer is regularizer  # left as it was
 
 
+def test_activity_regularizer_on_an_output_without_rows_first_is_refused(rng):
+    # Keras would divide the penalty of a transposed output by its feature count, and its rows
+    # are positions, not examples: no example's share can be read from it.
+    x, y = _activity_batch("dense", rng, n=8)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8),
+            keras.layers.Lambda(
+                keras.ops.transpose,
+                activity_regularizer=keras.regularizers.L2(0.1),
+                name="transposed",
+            ),
+            keras.layers.Lambda(keras.ops.transpose),
+            keras.layers.Dense(3),
+        ]
+    )
+    for method in METHODS:
+        with pytest.raises(
+            ValueError, match="'.*transposed' has an activity_regularizer on an out"
+        ):
+            dpcore.per_example_norms(
+                model, loss, x, y, options=dpcore.ExecutionOptions(method=method)
+            )
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_activity_penalty_of_huge_activations_is_clipped(method, rng):
     # One record with inputs of 1e4 makes activations, penalties and gradients of ~1e8 and more:
