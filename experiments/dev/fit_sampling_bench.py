@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     del argv
     import keras
     import tensorflow as tf
-    from dpcore_experiments import benchmark as bench
+    from dpcore_experiments.lib import bench_steps as bench
 
     import dpcore
 

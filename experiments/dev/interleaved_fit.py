@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from absl import app, flags
-from dpcore_experiments import benchmark as bench
+from dpcore_experiments.lib import bench_steps as bench
 
 FLAGS = flags.FLAGS
 

@@ -231,7 +231,7 @@ def soak_phase(
 
 def mlp_phase(steps: int) -> dict[str, Any]:
     import numpy as np
-    from dpcore_experiments import benchmark as bench
+    from dpcore_experiments.lib import bench_steps as bench
 
     n = FLAGS.mlp_examples
     rng = np.random.default_rng(FLAGS.seed)
