@@ -2,7 +2,7 @@
 
 Contract:
   * For each worker count W in `--workers` the driver starts W local workers
-    (`dpcore_experiments.launch_local.launch`, `MultiWorkerMirroredStrategy` on 127.0.0.1) that
+    (`dpcore_experiments.lib.workers.launch`, `MultiWorkerMirroredStrategy` on 127.0.0.1) that
     run this program with `--worker_mode`. Every worker times, on each model of `--models`
     (the MLP and CNN of `dpcore_experiments.lib.zoo`), two custom loops under the same strategy over
     the same global batch of `--batch_size` rows (B / W synthetic rows per worker, all real):
@@ -155,7 +155,7 @@ def main(argv: Sequence[str]) -> None:
             with open(FLAGS.worker_output, "w") as f:
                 json.dump(results, f)
         return
-    from dpcore_experiments.launch_local import launch
+    from dpcore_experiments.lib.workers import launch
 
     folder = tempfile.mkdtemp(prefix="bench_workers_")
     gathered: dict[str, Any] = {}
