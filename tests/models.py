@@ -125,3 +125,16 @@ y = rng.integers(0, 3, 64).astype("int32")
 elements = list(sampling.poisson_batches(x, y, sampling_prob=0.25, steps=6, seed=1))
 data = tf.data.Dataset.from_tensor_slices(tuple(tf.stack(p) for p in zip(*elements)))
 """
+
+
+def keras_divides_activity_penalty() -> bool:
+    """Whether this Keras adds an activity penalty divided by the batch size (the batch's mean);
+    Keras 3.6 adds it undivided, and dpcore refuses activity regularizers there."""
+    layer = keras.layers.Dense(
+        1,
+        kernel_initializer="ones",
+        use_bias=False,
+        activity_regularizer=keras.regularizers.L1(1.0),
+    )
+    layer(np.ones((4, 1), "float32"))
+    return bool(np.isclose(float(layer.losses[0]), 1.0))

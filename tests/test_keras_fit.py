@@ -15,6 +15,7 @@ from dpcore.testing import (
     reference_per_example_gradients,
     reference_per_example_norms,
 )
+from tests.models import keras_divides_activity_penalty
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -127,18 +128,6 @@ def test_class_weight_on_sampler_batches_weights_each_row_by_its_class(labels):
         np.testing.assert_array_equal(w1.numpy(), w0)
 
 
-def _keras_divides_activity_penalty():
-    """Whether this Keras adds an activity penalty divided by the batch size (the batch's mean)."""
-    layer = keras.layers.Dense(
-        1,
-        kernel_initializer="ones",
-        use_bias=False,
-        activity_regularizer=keras.regularizers.L1(1.0),
-    )
-    layer(np.ones((4, 1), "float32"))
-    return math.isclose(float(layer.losses[0]), 1.0)
-
-
 @pytest.mark.parametrize("method", ["fast", "vectorized"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_activity_regularized_fit_step_is_keras_and_the_reference_clipped_mean(kind, method):
@@ -150,7 +139,7 @@ def test_activity_regularized_fit_step_is_keras_and_the_reference_clipped_mean(k
     options = dpcore.ExecutionOptions(method=method)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # σ = 0 is not private; this test checks the update only
-        if not _keras_divides_activity_penalty():
+        if not keras_divides_activity_penalty():
             model = _model(kind, activity=True)
             before = [v.numpy().copy() for v in model.trainable_variables]
             dp_model = dpcore.make_private(
