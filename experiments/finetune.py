@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 from dpcore_experiments.lib import cli, common, hub_models
+from dpcore_experiments.lib.train_model import versions
+from dpcore_experiments.lib.train_plan import privacy_report
 
 RESULTS_FILE = "results.json"
 BYTE_VOCABULARY = 257  # 256 byte values + padding (id 0)
@@ -229,25 +231,9 @@ def dp_config(settings: FinetuneSettings, num_examples: int) -> Any:
     return DPConfig.calibrated(target_epsilon=settings.target_epsilon, **fields)
 
 
-def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
-    """Fine-tunes per ``settings``; writes ``results.json`` when ``output_dir`` is set.
-
-    Returns:
-      The results dict (also written to ``<output_dir>/results.json``).
-
-    Privacy:
-      The fine-tuned weights (and anything computed from them alone) are (ε, δ)-DP with
-      respect to one example (one window of the file, or one line) for the ε reported (PLD;
-      RDP also reported). The training loss logged by Keras and the held-out loss are computed
-      on the raw text and are NOT private: diagnostics for the experimenter only.
-    """
+def _read_examples(settings: FinetuneSettings) -> tuple[str, Any, Any, Any]:
+    """(the file's text, x, y, the loss): windows for `gpt2`, labelled lines for `bert`."""
     import keras
-    from dpcore_experiments.lib.train_model import versions
-    from dpcore_experiments.lib.train_plan import privacy_report
-
-    from dpcore import sampling
-    from dpcore.callbacks import EpsilonCallback
-    from dpcore.model import make_private
 
     with cli.user_errors(OSError, ValueError, hint=f"(--text_file={settings.text_file})"):
         with open(settings.text_file, encoding="utf-8", errors="replace") as f:
@@ -258,12 +244,19 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
         else:
             x, y = classification_examples(text, settings.sequence_length, settings.num_classes)
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    (x_train, y_train), (x_eval, y_eval) = _split(x, y, settings.eval_fraction)
-    num_examples = len(y_train)
-    if num_examples < 1:
-        raise ValueError(f"{settings.text_file!r} yields no training example.")
-    config = dp_config(settings, num_examples)
-    model = build_model(settings)
+    return text, x, y, loss
+
+
+def _fit(
+    settings: FinetuneSettings, config: Any, model: Any, loss: Any, x: Any, y: Any
+) -> tuple[Any, Any, Any, float]:
+    """Trains the run's logical steps on Poisson batches: (DP model, history, ε log, seconds)."""
+    import keras
+
+    from dpcore import sampling
+    from dpcore.callbacks import EpsilonCallback
+    from dpcore.model import make_private
+
     dp_model = make_private(
         model,
         optimizer=keras.optimizers.Adam(settings.learning_rate),
@@ -273,7 +266,7 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
     )
     steps = config.steps_for_epochs(settings.epochs)
     batches = sampling.poisson_batches(
-        x_train, y_train, sampling_prob=config.sampling_prob, steps=steps, seed=settings.seed
+        x, y, sampling_prob=config.sampling_prob, steps=steps, seed=settings.seed
     )
     epsilon_log = EpsilonCallback(config, ledger=config.new_ledger(), also_rdp=True)
     start = time.perf_counter()
@@ -289,21 +282,62 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
             f"the optimizer applied {epsilon_log.ledger.steps} logical steps, the run planned "
             f"{steps}; the accounting would not match what ran."
         )
-    eval_loss = None
-    if len(y_eval):
-        out = dp_model.evaluate(x_eval, y_eval, batch_size=64, verbose=0, return_dict=True)
-        eval_loss = float(out["loss"])
+    return dp_model, history, epsilon_log, train_time
+
+
+def _privacy(settings: FinetuneSettings, ledger: Any) -> dict[str, Any]:
+    """ε of the steps that ran, and what one privacy unit is."""
     privacy = privacy_report(
         types.SimpleNamespace(
             dp=True, target_delta=settings.target_delta, sampling="poisson", privacy_unit="example"
         ),
-        epsilon_log.ledger,
+        ledger,
     )
     privacy["privacy_unit_meaning"] = (
         f"one window of {settings.sequence_length} + 1 byte tokens of the file"
         if settings.model == "gpt2"
         else "one line (label and text) of the file"
     )
+    return privacy
+
+
+def _model_summary(settings: FinetuneSettings, model: Any) -> dict[str, Any]:
+    return {
+        "task": type(model).__name__,
+        "backbone": type(model.backbone).__name__,
+        "source": f"local preset {settings.preset}" if settings.preset else "from scratch",
+        "lora_rank": settings.lora_rank or None,
+        "trainable_params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+        "total_params": int(model.count_params()),
+    }
+
+
+def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
+    """Fine-tunes per ``settings``; writes ``results.json`` when ``output_dir`` is set.
+
+    Returns:
+      The results dict (also written to ``<output_dir>/results.json``).
+
+    Privacy:
+      The fine-tuned weights (and anything computed from them alone) are (ε, δ)-DP with
+      respect to one example (one window of the file, or one line) for the ε reported (PLD;
+      RDP also reported). The training loss logged by Keras and the held-out loss are computed
+      on the raw text and are NOT private: diagnostics for the experimenter only.
+    """
+    text, x, y, loss = _read_examples(settings)
+    (x_train, y_train), (x_eval, y_eval) = _split(x, y, settings.eval_fraction)
+    num_examples = len(y_train)
+    if num_examples < 1:
+        raise ValueError(f"{settings.text_file!r} yields no training example.")
+    config = dp_config(settings, num_examples)
+    model = build_model(settings)
+    dp_model, history, epsilon_log, train_time = _fit(
+        settings, config, model, loss, x_train, y_train
+    )
+    eval_loss = None
+    if len(y_eval):
+        out = dp_model.evaluate(x_eval, y_eval, batch_size=64, verbose=0, return_dict=True)
+        eval_loss = float(out["loss"])
     results: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
         "data": {
@@ -314,16 +348,9 @@ def run_finetune(settings: FinetuneSettings) -> dict[str, Any]:
             "tokenizer": "byte-level: each UTF-8 byte b is token b + 1, 0 is padding "
             f"(vocabulary {BYTE_VOCABULARY}, built in; no vocabulary file, nothing downloaded)",
         },
-        "model": {
-            "task": type(model).__name__,
-            "backbone": type(model.backbone).__name__,
-            "source": f"local preset {settings.preset}" if settings.preset else "from scratch",
-            "lora_rank": settings.lora_rank or None,
-            "trainable_params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
-            "total_params": int(model.count_params()),
-        },
+        "model": _model_summary(settings, model),
         "config": config.to_dict(),
-        "privacy": privacy,
+        "privacy": _privacy(settings, epsilon_log.ledger),
         "train_loss": [float(v) for v in history.history.get("loss", [])],
         "eval_loss": eval_loss,
         "train_time_s": train_time,

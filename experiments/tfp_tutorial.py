@@ -123,16 +123,29 @@ def run_tutorial(
         callbacks=[epsilon],
         verbose=verbose,
     )
+    return _report(dp_model, config, epsilon, dataset, len(x), (x_test, y_test), start)
+
+
+def _report(
+    dp_model: Any,
+    config: Any,
+    epsilon: Any,
+    dataset: str,
+    num_examples: int,
+    test_data: tuple[Any, Any],
+    start: float,
+) -> dict[str, Any]:
+    """`run_tutorial`'s result: test accuracy, and ε of the steps the optimizer applied."""
     steps = int(dp_model.optimizer.dp_steps.numpy())
     ran = dataclasses.replace(config, steps=steps)  # what was applied (equals config.steps)
-    test = dp_model.evaluate(x_test, y_test, return_dict=True, verbose=0)
+    test = dp_model.evaluate(*test_data, return_dict=True, verbose=0)
     return {
         "dataset": dataset,
-        "num_examples": len(x),
+        "num_examples": num_examples,
         "test_accuracy": float(test["accuracy"]),
         "epsilon": float(epsilon.epsilon()),
         "epsilon_rdp": float(ran.epsilon("rdp")),
-        "target_delta": target_delta,
+        "target_delta": config.target_delta,
         "steps": steps,
         "config": ran.to_dict(),
         "wall_s": time.perf_counter() - start,
