@@ -15,6 +15,27 @@ def mlp(d=12, hidden=(16, 8), classes=4):
     return keras.Model(inputs, outputs, name="mlp")
 
 
+def small_mlp(d=5, hidden=6, classes=3, seed=0, name=None):
+    """Dense(hidden, tanh) -> Dense(classes), Glorot weights from ``seed``."""
+    init = keras.initializers.GlorotUniform(seed=seed)
+    return keras.Sequential(
+        [
+            keras.Input((d,)),
+            keras.layers.Dense(hidden, activation="tanh", kernel_initializer=init),
+            keras.layers.Dense(classes, kernel_initializer=init),
+        ],
+        name=name,
+    )
+
+
+def dense_model(d=4, classes=3, seed=0):
+    """One Dense layer (a softmax-regression model), Glorot weights from ``seed``."""
+    init = keras.initializers.GlorotUniform(seed=seed)
+    return keras.Sequential(
+        [keras.Input((d,)), keras.layers.Dense(classes, kernel_initializer=init)]
+    )
+
+
 def tanh_cnn(size=16, classes=10):
     """The Tramèr & Boneh end-to-end tanh CNN, at a small input size."""
     return keras.Sequential(

@@ -15,6 +15,7 @@ from dpcore.adaptive import AdaptiveClip, effective_noise_multiplier, gradient_n
 from dpcore.engine.summary import GradientSummary
 from dpcore.optimizer import DPOptimizer
 from dpcore.step import dp_train_step
+from tests.helpers import make_opt
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
 # warning that such a run is not private is expected in this module.
@@ -33,9 +34,9 @@ def LOSS(y, p):  # noqa: N802  (a loss function, named like the Keras ones)
     return p[:, 0]
 
 
-def make_opt(*, lr=0.0, clip=0.1, sigma=0.0, count_stddev=0.0, quantile=0.5, eta=0.2, **kw):
+def adaptive_opt(*, lr=0.0, clip=0.1, sigma=0.0, count_stddev=0.0, quantile=0.5, eta=0.2, **kw):
     kw.setdefault("expected_batch_size", 8)
-    return DPOptimizer(
+    return make_opt(
         keras.optimizers.SGD(lr),
         l2_norm_clip=clip,
         noise_multiplier=sigma,
@@ -103,10 +104,10 @@ def test_adaptive_clip_checks_its_fields(kw, match):
 
 def test_optimizer_refuses_count_noise_too_small_for_sigma_and_group_bounds():
     with pytest.raises(ValueError, match="count_stddev=0.5 is too small"):
-        make_opt(sigma=1.0, count_stddev=0.5)
+        adaptive_opt(sigma=1.0, count_stddev=0.5)
     with pytest.raises(ValueError, match="one finite initial l2_norm_clip"):
-        make_opt(clip=[1.0, 2.0], variable_groups=[0, 1])
-    opt = make_opt(sigma=1.0, count_stddev=1.0)
+        adaptive_opt(clip=[1.0, 2.0], variable_groups=[0, 1])
+    opt = adaptive_opt(sigma=1.0, count_stddev=1.0)
     with pytest.raises(ValueError, match="too small"):
         opt.noise_multiplier = 2.5  # a schedule is checked against the count noise as well
     assert opt.noise_multiplier == 1.0
@@ -153,14 +154,14 @@ def test_fixed_clipping_unchanged_when_not_enabled():
     with pytest.raises(ValueError, match="unclipped_count"):  # an adaptive sum for a fixed bound
         opt.apply_clipped_sum(aggregation.clip(summary, l2_norm_clip=0.5, count_unclipped=True))
     with pytest.raises(ValueError, match="unclipped_count"):  # and the other way round
-        make_opt().apply_clipped_sum(aggregation.clip(summary, l2_norm_clip=0.5), [var])
+        adaptive_opt().apply_clipped_sum(aggregation.clip(summary, l2_norm_clip=0.5), [var])
 
 
 # -------------------------------------------------------------------------------- the update
 def test_without_noise_the_update_is_the_deterministic_recursion(rng):
     b, lr, eta, gamma = 8, 0.5, 0.3, 0.4
     model = linear_model()
-    opt = make_opt(lr=lr, clip=0.5, quantile=gamma, eta=eta, expected_batch_size=b)
+    opt = adaptive_opt(lr=lr, clip=0.5, quantile=gamma, eta=eta, expected_batch_size=b)
     step = step_fn(model, opt)
     c, w = 0.5, model.trainable_variables[0].numpy().astype(np.float64)
     for t in range(12):
@@ -185,7 +186,7 @@ def test_noised_fraction_converges_to_the_target_quantile():
     x = data.lognormal(0.0, 0.5, size=(b * steps, 1)) * data.normal(size=(b * steps, 4))
     x = x.astype("float32")
     model = linear_model()
-    opt = make_opt(
+    opt = adaptive_opt(
         clip=0.05, sigma=1.0, count_stddev=b / 20, quantile=gamma, expected_batch_size=b, seed=3
     )
     step = step_fn(model, opt)
@@ -208,7 +209,7 @@ def test_accumulated_step_noises_the_count_once(rng, use_step_end):
     def run(split):
         model = linear_model()
         kw = {"accumulation_steps": split} if not use_step_end else {}
-        opt = make_opt(lr=0.5, clip=1.0, sigma=1.0, count_stddev=2.0, seed=7, **kw)
+        opt = adaptive_opt(lr=0.5, clip=1.0, sigma=1.0, count_stddev=2.0, seed=7, **kw)
         step = step_fn(model, opt)
         for batch in x:
             for i, part in enumerate(np.split(batch, split)):
@@ -225,7 +226,7 @@ def test_accumulated_step_noises_the_count_once(rng, use_step_end):
 
 def run_without_noise(x):
     model = linear_model()
-    opt = make_opt(lr=0.5, clip=1.0)
+    opt = adaptive_opt(lr=0.5, clip=1.0)
     step = step_fn(model, opt)
     for batch in x:
         step(batch)
@@ -235,7 +236,7 @@ def run_without_noise(x):
 # ------------------------------------------------------------------------ state and accounting
 def test_checkpoint_restores_the_bound(tmp_path, rng):
     x = rng.normal(size=(4, 8, 4)).astype("float32")
-    model, opt = linear_model(), make_opt(lr=0.1, sigma=1.0, count_stddev=2.0, seed=5)
+    model, opt = linear_model(), adaptive_opt(lr=0.1, sigma=1.0, count_stddev=2.0, seed=5)
     step = step_fn(model, opt)
     for batch in x[:2]:
         step(batch)
@@ -243,7 +244,7 @@ def test_checkpoint_restores_the_bound(tmp_path, rng):
     saved = clip_of(opt)
     step(x[2])
 
-    fresh_model, fresh = linear_model(), make_opt(lr=0.1, sigma=1.0, count_stddev=2.0, seed=5)
+    fresh_model, fresh = linear_model(), adaptive_opt(lr=0.1, sigma=1.0, count_stddev=2.0, seed=5)
     fresh.build(fresh_model.trainable_variables)
     tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
     assert clip_of(fresh) == saved != 0.1
@@ -260,13 +261,13 @@ def test_a_restored_sigma_the_count_noise_cannot_carry_fails_the_step(tmp_path, 
     optimizer's state moves: not the weights, and not C, the released unclipped fraction or
     dp_steps either (they used to move, releasing the count, un-noised with σ_b = 0)."""
     x = rng.normal(size=(8, 4)).astype("float32")
-    model, opt = linear_model(), make_opt(lr=1.0, sigma=3.0, count_stddev=2.0, seed=5)
+    model, opt = linear_model(), adaptive_opt(lr=1.0, sigma=3.0, count_stddev=2.0, seed=5)
     step_fn(model, opt)(x)
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
 
     sigma = 1.0 if count_stddev else 0.0  # what the constructor's check accepts
     fresh_model = linear_model()
-    fresh = make_opt(lr=1.0, sigma=sigma, count_stddev=count_stddev, seed=5)
+    fresh = adaptive_opt(lr=1.0, sigma=sigma, count_stddev=count_stddev, seed=5)
     fresh.build(fresh_model.trainable_variables)
     tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
     assert fresh.noise_multiplier == 3.0
@@ -284,7 +285,9 @@ def test_fit_logs_the_bound_saves_it_and_accounts_the_effective_sigma(tmp_path, 
     n, q, steps, sigma, sigma_b = 64, 0.125, 6, 0.8, 0.6
     x = rng.normal(size=(n, 4)).astype("float32")
     y = np.zeros(n, "float32")
-    opt = make_opt(lr=0.1, clip=0.2, sigma=sigma, count_stddev=sigma_b, expected_batch_size=n * q)
+    opt = adaptive_opt(
+        lr=0.1, clip=0.2, sigma=sigma, count_stddev=sigma_b, expected_batch_size=n * q
+    )
     dp_model = dpcore.make_private(linear_model(), optimizer=opt, loss=LOSS)
     config = dpcore.DPConfig(
         l2_norm_clip=0.2,
@@ -433,7 +436,7 @@ def test_at_the_floor_of_the_bound_every_release_is_noised():
 
     def releases(sigma, count_stddev, steps, eta=0.0):
         model = linear_model(d)
-        opt = make_opt(
+        opt = adaptive_opt(
             lr=1.0,
             clip=adaptive.MIN_CLIP,
             sigma=sigma,
@@ -452,21 +455,21 @@ def test_at_the_floor_of_the_bound_every_release_is_noised():
 
     for clip in (2.0**-120, 2.0**-35, 2.0**61):
         with pytest.raises(ValueError, match="l2_norm_clip"):
-            make_opt(clip=clip, sigma=1.0, count_stddev=1.0)
+            adaptive_opt(clip=clip, sigma=1.0, count_stddev=1.0)
     # The smallest σ_Δ the optimizer accepts is 2^-10, the largest 2^40 (σ_Δ C at the floor and
     # at the ceiling of C within [2^-40, 2^100]).
     with pytest.raises(ValueError, match=r"outside \[2\^-10, 2\^40\]"):
-        make_opt(clip=1.0, sigma=2.0**-11, count_stddev=1.0)
+        adaptive_opt(clip=1.0, sigma=2.0**-11, count_stddev=1.0)
     with pytest.raises(ValueError, match=r"outside \[2\^-10, 2\^40\]"):
-        make_opt(clip=1.0, sigma=2.0**41, count_stddev=2.0**41)
-    opt = make_opt(clip=1.0, sigma=1.0, count_stddev=1.0)
+        adaptive_opt(clip=1.0, sigma=2.0**41, count_stddev=2.0**41)
+    opt = adaptive_opt(clip=1.0, sigma=1.0, count_stddev=1.0)
     with pytest.raises(ValueError, match=r"outside \[2\^-10, 2\^40\]"):
         opt.noise_multiplier = 2.0**-11  # a schedule too
     assert opt.noise_multiplier == 1.0
 
     # η = 100 (C moves by up to e^50 per step) reaches the floor and stops there.
     model = linear_model(1)
-    opt = make_opt(clip=1.0, sigma=1.0, count_stddev=1.0, eta=100.0, expected_batch_size=b)
+    opt = adaptive_opt(clip=1.0, sigma=1.0, count_stddev=1.0, eta=100.0, expected_batch_size=b)
     step = step_fn(model, opt)
     clips = []
     for t in range(8):
@@ -482,7 +485,7 @@ def test_a_micro_batch_clipped_to_another_bound_fails_the_step(order):
     contribution of 50; the fixed-bound optimizer refuses such a step, and the adaptive one now
     fails it when it runs, before anything of it is accumulated or applied."""
     var = keras.Variable([0.0])
-    opt = make_opt(
+    opt = adaptive_opt(
         lr=1.0, clip=1.0, sigma=1.0, count_stddev=10.0, eta=0.0, expected_batch_size=1,
         accumulation_steps=2, seed=3,
     )  # fmt: skip
@@ -519,12 +522,12 @@ def test_a_restored_bound_out_of_range_fails_the_step(tmp_path, rng):
     fails unless C is finite and within [MIN_CLIP, MAX_CLIP], and nothing of the optimizer's
     state moves: the weights, C, the released fraction, dp_steps."""
     x = rng.normal(size=(8, 4)).astype("float32")
-    model, opt = linear_model(), make_opt(lr=1.0, sigma=1.0, count_stddev=2.0, seed=5)
+    model, opt = linear_model(), adaptive_opt(lr=1.0, sigma=1.0, count_stddev=2.0, seed=5)
     step_fn(model, opt)(x)
     opt._adaptive_clip_var.assign(-1.0)  # what a corrupted or foreign checkpoint holds
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
 
-    fresh_model, fresh = linear_model(), make_opt(lr=1.0, sigma=1.0, count_stddev=2.0, seed=5)
+    fresh_model, fresh = linear_model(), adaptive_opt(lr=1.0, sigma=1.0, count_stddev=2.0, seed=5)
     fresh.build(fresh_model.trainable_variables)
     tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
     assert clip_of(fresh) == -1.0
@@ -551,7 +554,7 @@ def test_at_the_ceiling_of_the_bound_the_noise_is_finite():
     from dpcore import adaptive
 
     model = linear_model(1)
-    opt = make_opt(
+    opt = adaptive_opt(
         lr=1.0, clip=adaptive.MAX_CLIP, sigma=3.0, count_stddev=3.0, eta=0.0,
         expected_batch_size=2, seed=5,
     )  # fmt: skip

@@ -8,15 +8,10 @@ import tensorflow as tf
 import dpcore
 from dpcore.optimizer import DPOptimizer
 from dpcore.step import dp_train_step
-from tests.models import TWO_REPLICA_DATA
+from tests.models import TWO_REPLICA_DATA, dense_model
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 MOMENTUM = 0.8
-
-
-def small_model(seed=0):
-    init = keras.initializers.GlorotUniform(seed=seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer=init)])
 
 
 def ema_opt(**kw):
@@ -93,7 +88,7 @@ def custom_loop(model, opt, x, y, after_step=None):
 
 def test_custom_loop_ema_is_the_average_of_applied_logical_steps(rng):
     x, y = data(rng)
-    model, opt = small_model(), ema_opt(accumulation_steps=2)
+    model, opt = dense_model(), ema_opt(accumulation_steps=2)
     trajectory = custom_loop(model, opt, x, y)
     assert int(opt.dp_steps) == len(trajectory) == 4
     for got, want in zip(averages(opt), hand_ema(trajectory)):
@@ -105,7 +100,7 @@ def test_custom_loop_ema_is_the_average_of_applied_logical_steps(rng):
 
 def test_fit_evaluates_with_the_ema_and_saves_it(tmp_path, rng):
     x, y = data(rng)
-    model = small_model()
+    model = dense_model()
     dp_model = dpcore.make_private(model, optimizer=ema_opt(), loss=LOSS)
     record = RecordWeights(model)
     history = dp_model.fit(
@@ -135,7 +130,7 @@ def test_fit_evaluates_with_the_ema_and_saves_it(tmp_path, rng):
     for got, want in zip(averages(loaded.optimizer), ema):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
-    fresh_model, fresh = small_model(seed=1), ema_opt()
+    fresh_model, fresh = dense_model(seed=1), ema_opt()
     fresh.build(fresh_model.trainable_variables)
     path = tf.train.Checkpoint(model=model, optimizer=dp_model.optimizer).save(str(tmp_path / "c"))
     tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
@@ -162,7 +157,7 @@ def mean_of(trajectory):
 
 def test_custom_loop_polyak_is_the_mean_of_the_logical_steps_after_the_start(rng):
     x, y = data(rng)
-    model, opt = small_model(), polyak_opt(1, accumulation_steps=2)
+    model, opt = dense_model(), polyak_opt(1, accumulation_steps=2)
     start = [v.numpy().copy() for v in model.trainable_variables]
 
     def after_step(k):
@@ -186,7 +181,7 @@ def test_custom_loop_polyak_is_the_mean_of_the_logical_steps_after_the_start(rng
 
 def test_fit_evaluates_with_the_polyak_average_and_saves_it(tmp_path, rng):
     x, y = data(rng)
-    model = small_model()
+    model = dense_model()
     dp_model = dpcore.make_private(model, optimizer=polyak_opt(2), loss=LOSS)
     record = RecordWeights(model)
     means = []
@@ -222,7 +217,7 @@ def test_fit_evaluates_with_the_polyak_average_and_saves_it(tmp_path, rng):
     for got, w in zip(loaded.optimizer.polyak_averages, want):
         np.testing.assert_allclose(got.numpy(), w, rtol=1e-6, atol=1e-7)
 
-    fresh_model, fresh = small_model(seed=1), polyak_opt(2)
+    fresh_model, fresh = dense_model(seed=1), polyak_opt(2)
     fresh.build(fresh_model.trainable_variables)
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "c"))
     tf.train.Checkpoint(model=fresh_model, optimizer=fresh).restore(path).assert_consumed()
@@ -250,7 +245,7 @@ def test_polyak_and_ema_are_not_combined():
 
 def test_swap_polyak_weights_needs_the_average(rng):
     x, y = data(rng)
-    dp_model = dpcore.make_private(small_model(), optimizer=ema_opt(), loss=LOSS)
+    dp_model = dpcore.make_private(dense_model(), optimizer=ema_opt(), loss=LOSS)
     with pytest.raises(ValueError, match="polyak_start_step"):
         dp_model.fit(x, y, batch_size=8, callbacks=[dpcore.callbacks.SwapPolyakWeights()])
 

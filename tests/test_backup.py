@@ -11,6 +11,8 @@ import pytest
 import dpcore
 from dpcore import sampling
 from dpcore.backup import StepBackup
+from tests.helpers import flat_weights
+from tests.models import dense_model
 
 N, Q, SPE, EPOCHS = 40, 0.25, 4, 3
 TOTAL = SPE * EPOCHS
@@ -39,10 +41,8 @@ def _data():
 
 
 def _dp_model(seed=None):
-    init = keras.initializers.GlorotUniform(seed=0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer=init)])
     return dpcore.make_private(
-        model,
+        dense_model(),
         optimizer=keras.optimizers.SGD(0.5),
         loss=LOSS,
         l2_norm_clip=0.5,
@@ -86,10 +86,6 @@ def _uninterrupted(sampling_seed, noise_seed):
     return dp, eps
 
 
-def _weights(dp):
-    return np.concatenate([np.ravel(v.numpy()) for v in dp.model.trainable_variables])
-
-
 def test_resumed_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     with pytest.raises(Crash):
         _run(tmp_path, crash_after=6)
@@ -104,8 +100,8 @@ def test_resumed_mid_epoch_equals_an_uninterrupted_run(tmp_path):
     noise_seed = [int(s) for s in dp.optimizer.noise_seed.numpy()]
     ref, ref_eps = _uninterrupted(backup.sampling_seed, noise_seed)
     # Same samples, same noise draws (sigma > 0): nothing lost, repeated or replayed.
-    np.testing.assert_allclose(_weights(dp), _weights(ref), rtol=0, atol=1e-6)
-    assert np.abs(_weights(dp) - _weights(_dp_model(seed=0))).max() > 0.05
+    np.testing.assert_allclose(flat_weights(dp.model), flat_weights(ref.model), rtol=0, atol=1e-6)
+    assert np.abs(flat_weights(dp.model) - flat_weights(_dp_model(seed=0).model)).max() > 0.05
     assert eps.ledger.steps == ref_eps.ledger.steps == TOTAL
     assert eps.epsilon() == ref_eps.epsilon()
     assert dp.epsilon() == ref.epsilon() == eps.epsilon()  # the model's own figure agrees
@@ -133,7 +129,7 @@ def test_a_finished_run_restarts_with_nothing_left(tmp_path):
     assert not backup.resumed
     again, backup, eps = _run(tmp_path)
     assert backup.resume_step == TOTAL and int(again.optimizer.dp_steps.numpy()) == TOTAL
-    np.testing.assert_array_equal(_weights(first), _weights(again))
+    np.testing.assert_array_equal(flat_weights(first.model), flat_weights(again.model))
     assert eps.ledger.steps == TOTAL
 
 

@@ -11,7 +11,8 @@ import tensorflow as tf
 
 from dpcore.model import DPModel, make_private
 from dpcore.optimizer import DPOptimizer
-from tests.models import TWO_REPLICA_DATA
+from tests.helpers import weights
+from tests.models import TWO_REPLICA_DATA, small_mlp
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
 # warning that such a run is not private is expected in this module.
@@ -20,25 +21,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def small_mlp(seed=0, name="mlp"):
-    init = keras.initializers.GlorotUniform(seed=seed)
-    return keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(6, activation="tanh", kernel_initializer=init),
-            keras.layers.Dense(3, kernel_initializer=init),
-        ],
-        name=name,
-    )
-
-
 def data(rng, n=32):
     x = rng.normal(size=(n, 5)).astype("float32")
     return x, rng.integers(0, 3, n).astype("int32")
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.trainable_variables]
 
 
 def test_fit_with_noise0_clip_inf_equals_plain_keras_fit(rng):

@@ -17,6 +17,8 @@ from dpcore.testing import (
     reference_input_gradients,
     reference_per_example_gradients,
 )
+from tests.helpers import make_opt, weights
+from tests.models import small_mlp
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
 # warning that such a run is not private is expected in this module.
@@ -25,31 +27,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:noise_multiplier=0:UserWarning")
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def small_mlp(d=5, hidden=6, classes=3, seed=0):
-    init = keras.initializers.GlorotUniform(seed=seed)
-    return keras.Sequential(
-        [
-            keras.Input((d,)),
-            keras.layers.Dense(hidden, activation="tanh", kernel_initializer=init),
-            keras.layers.Dense(classes, kernel_initializer=init),
-        ]
-    )
-
-
 def batch(rng, b=6, d=5, classes=3, scale=1.0):
     x = (scale * rng.normal(size=(b, d))).astype("float32")
     return x, rng.integers(0, classes, b).astype("int32")
-
-
-def weights(model):
-    return [v.numpy().copy() for v in model.trainable_variables]
-
-
-def make_opt(inner=None, **kw):
-    kw.setdefault("l2_norm_clip", 1.0)
-    kw.setdefault("noise_multiplier", 0.0)
-    kw.setdefault("expected_batch_size", 6)
-    return DPOptimizer(inner or keras.optimizers.SGD(1.0), **kw)
 
 
 def step_fn(model, opt, **kw):

@@ -21,6 +21,8 @@ from dpcore import dp_train_step, sampling
 from dpcore.callbacks import EpsilonCallback, PrivacyBudgetGuard
 from dpcore.config import DPConfig
 from dpcore.model import make_private
+from tests.helpers import weights
+from tests.models import dense_model
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
 # warning that such a run is not private is expected in this module.
@@ -35,14 +37,9 @@ def _data(n=N):
     return rng.normal(size=(n, 5)).astype("float32"), rng.integers(0, 3, n).astype("int32")
 
 
-def _model():
-    init = keras.initializers.GlorotUniform(seed=0)
-    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, kernel_initializer=init)])
-
-
 def _dp(expected_batch_size, *, noise_multiplier=0.0, seed=1):
     return make_private(
-        _model(),
+        dense_model(5),
         optimizer=keras.optimizers.SGD(0.5),
         loss=LOSS,
         l2_norm_clip=0.5,
@@ -68,10 +65,6 @@ def _privacy_callback(kind, config):
     if kind == "epsilon":
         return EpsilonCallback(config)
     return PrivacyBudgetGuard(target_epsilon=5.0, config=config)
-
-
-def _weights(model):
-    return [v.numpy().copy() for v in model.trainable_variables]
 
 
 # ------------------------------------------------------------------ 2. sampling agreement
@@ -108,7 +101,7 @@ def test_poisson_data_and_optimizer_disagreeing_is_refused_before_the_first_step
     from it) says q = 0.1. fit refuses it, naming both expected batch sizes."""
     x, y = _data()
     config = _config()  # q = 4 / 40 = 0.1
-    dp = make_private(_model(), optimizer="sgd", loss=LOSS, config=config, seed=0)
+    dp = make_private(dense_model(5), optimizer="sgd", loss=LOSS, config=config, seed=0)
     ds = sampling.poisson_batches(x, y, sampling_prob=0.5, steps=3, seed=0)
     with pytest.raises(ValueError, match=r"expected batch size is 20.*expected_batch_size=4"):
         dp.fit(ds, verbose=0, callbacks=[EpsilonCallback(config)])
@@ -131,7 +124,7 @@ def test_poisson_data_and_accountant_disagreeing_is_refused_before_the_first_ste
 def test_shuffled_batches_under_a_poisson_config_are_refused(callback):
     x, y = _data()
     config = _config()
-    dp = make_private(_model(), optimizer="sgd", loss=LOSS, config=config, seed=0)
+    dp = make_private(dense_model(5), optimizer="sgd", loss=LOSS, config=config, seed=0)
     cb = _privacy_callback(callback, config)
     ds = sampling.shuffled_batches(x, y, batch_size=4, epochs=1, seed=0)
     mismatch = r"sampling='poisson'.*sampling='shuffle'|sampling='shuffle'.*sampling='poisson'"
@@ -143,7 +136,7 @@ def test_shuffled_batches_under_a_poisson_config_are_refused(callback):
         dp.fit(ds, verbose=0)
     # Accounted as what it is, the same data trains.
     shuffle = _config(sampling="shuffle")
-    dp = make_private(_model(), optimizer="sgd", loss=LOSS, config=shuffle, seed=0)
+    dp = make_private(dense_model(5), optimizer="sgd", loss=LOSS, config=shuffle, seed=0)
     dp.fit(ds, verbose=0, callbacks=[EpsilonCallback(shuffle)])
     assert int(dp.optimizer.dp_steps) == 10
 
@@ -165,7 +158,7 @@ def test_a_transformed_sampler_dataset_needs_its_spec_back_for_a_poisson_account
     ds = sampling.poisson_batches(x, y, sampling_prob=config.sampling_prob, steps=2, seed=0)
     mapped = ds.map(lambda batch: batch._replace(x=batch.x * 2.0))
     assert sampling.sampling_spec(mapped) is None
-    dp = make_private(_model(), optimizer="sgd", loss=LOSS, config=config, seed=0)
+    dp = make_private(dense_model(5), optimizer="sgd", loss=LOSS, config=config, seed=0)
     with pytest.raises(ValueError, match="with_sampling_spec"):
         dp.fit(mapped, verbose=0, callbacks=[EpsilonCallback(config)])
     assert int(dp.optimizer.dp_steps) == 0
@@ -183,7 +176,7 @@ def test_epsilon_is_computed_from_applied_steps_not_the_plan():
     """The config plans 100 steps; a guard stops the run early: ε is that of dp_steps."""
     x, y = _data()
     config = _config(expected_batch_size=10)
-    dp = make_private(_model(), optimizer="sgd", loss=LOSS, config=config, seed=0)
+    dp = make_private(dense_model(5), optimizer="sgd", loss=LOSS, config=config, seed=0)
     ds = sampling.poisson_batches(x, y, sampling_prob=config.sampling_prob, steps=5, seed=0)
     target = dataclasses.replace(config, steps=3).epsilon("rdp") * 1.0001
     guard = PrivacyBudgetGuard(target_epsilon=target, config=config, accountant="rdp", verbose=0)
@@ -209,7 +202,7 @@ def _replay(passes, expected_batch_size):
         for xb, yb, mask, end in chunks:
             step(xb, yb, mask, end)
         assert int(opt.micro_steps) == 0  # every pass ends at a step boundary
-    return _weights(model), int(opt.dp_steps)
+    return weights(model), int(opt.dp_steps)
 
 
 def _layout_dataset(x, y, layouts, padded):
@@ -254,7 +247,7 @@ def test_overflow_chunks_never_join_a_step_of_the_next_pass(where, layouts):
     dp.fit(fit_ds, epochs=len(layouts), verbose=0)
     assert int(dp.optimizer.dp_steps) == sampled
     assert int(dp.optimizer.micro_steps) == 0
-    for a, b in zip(_weights(dp.model), expected):
+    for a, b in zip(weights(dp.model), expected):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -277,7 +270,7 @@ def test_fit_over_epochs_applies_every_sampled_step_of_the_poisson_sampler():
     dp.fit(_overflowing_sampler(steps=steps), epochs=epochs, verbose=0)
     assert int(dp.optimizer.dp_steps) == steps * epochs
     assert int(dp.optimizer.micro_steps) == 0
-    for a, b in zip(_weights(dp.model), expected):
+    for a, b in zip(weights(dp.model), expected):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -332,7 +325,7 @@ def test_a_step_left_open_by_a_checkpoint_is_dropped_not_merged(tmp_path):
     with pytest.warns(UserWarning, match="1 micro-batch"):
         resumed.fit(ds(), verbose=0)
     assert int(resumed.optimizer.dp_steps) == int(clean.optimizer.dp_steps) == 3
-    for a, b in zip(_weights(resumed.model), _weights(clean.model)):
+    for a, b in zip(weights(resumed.model), weights(clean.model)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 

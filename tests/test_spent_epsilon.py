@@ -15,14 +15,10 @@ import dpcore
 from dpcore import sampling
 from dpcore.accounting import PrivacyLedger
 from dpcore.callbacks import EpsilonCallback
+from tests.models import dense_model
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 N, BATCH, DELTA = 60, 12, 1e-3
-
-
-def _model(seed=0):
-    init = keras.initializers.GlorotUniform(seed=seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer=init)])
 
 
 def _data():
@@ -44,7 +40,12 @@ def _config(**overrides):
 
 def _private(config, **kwargs):
     return dpcore.make_private(
-        _model(), config=config, optimizer=keras.optimizers.SGD(0.1), loss=LOSS, seed=1, **kwargs
+        dense_model(),
+        config=config,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=LOSS,
+        seed=1,
+        **kwargs,
     )
 
 
@@ -208,7 +209,7 @@ def test_arrays_are_accounted_as_the_sampling_that_ran():
     """fit(x, y): the reported ε is that of the sampling the model says it ran."""
     x, y = _data()
     dp_model = dpcore.make_private(
-        _model(),
+        dense_model(),
         optimizer="sgd",
         loss=LOSS,
         l2_norm_clip=1.0,
