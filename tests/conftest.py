@@ -9,6 +9,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # Eigen kernels are exact and deterministic here. Tests compare against exact references.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -28,3 +35,91 @@ def rng():
 
 def pytest_configure(config):
     tf.config.threading.set_inter_op_parallelism_threads(2)
+    config.addinivalue_line(
+        "markers",
+        "replica_script(source, *argv): the test reads that script's run on 2 logical CPUs "
+        "(the replica_run fixture)",
+    )
+
+
+# ------------------------------------------------------------------------ 2-replica scripts
+# A MirroredStrategy over 2 logical CPUs needs them set before any TensorFlow op of the process,
+# so tests of it run a script in another process. The scripts of every collected test marked
+# `replica_script` run in one child process (tests/replica_runner.py: one TensorFlow start-up
+# for all), started once per run as soon as the tests are collected and running beside them;
+# the `replica_run` fixture waits for its test's script.
+RUNNER = Path(__file__).with_name("replica_runner.py")
+REPLICA_TIMEOUT_S = 1800
+
+
+def _replica_key(marker) -> str:
+    source, *argv = marker.args
+    return hashlib.sha1(json.dumps([source, argv]).encode()).hexdigest()[:16]
+
+
+def _replica_folder(config) -> Path:
+    base = config._tmp_path_factory.getbasetemp()
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the folder its run shares
+        base = base.parent
+    return base / "replica_scripts"
+
+
+def pytest_collection_finish(session):
+    scripts = {}
+    for item in session.items:
+        marker = item.get_closest_marker("replica_script")
+        if marker is not None:
+            key = _replica_key(marker)
+            scripts[key] = {"key": key, "source": marker.args[0], "argv": list(marker.args[1:])}
+    if not scripts or session.config.option.collectonly:
+        return
+    folder = _replica_folder(session.config)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:  # the first worker to get here starts the child; the others read its results
+        os.close(os.open(folder / "started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    (folder / "scripts.json").write_text(json.dumps(list(scripts.values())))
+    root = str(RUNNER.parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    with open(folder / "runner.log", "w") as log:
+        session.config._replica_runner = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(folder)],
+            cwd=root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    runner = getattr(session.config, "_replica_runner", None)
+    if runner is None:
+        return
+    stopped = session.shouldfail or session.shouldstop or exitstatus == pytest.ExitCode.INTERRUPTED
+    try:  # unless the run was stopped, another worker may still wait for a script's result
+        runner.wait(timeout=0 if stopped else REPLICA_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        runner.kill()
+        runner.wait()
+
+
+@pytest.fixture
+def replica_run(request) -> dict:
+    """``{"stdout": ..., "error": ...}`` of the test's `replica_script` run on 2 logical CPUs
+    (``error``: the script's traceback, or "")."""
+    marker = request.node.get_closest_marker("replica_script")
+    assert marker is not None, "replica_run needs @pytest.mark.replica_script(source, *argv)"
+    folder = _replica_folder(request.config)
+    path = folder / f"{_replica_key(marker)}.json"
+    deadline = time.monotonic() + REPLICA_TIMEOUT_S
+    while not path.exists():
+        done = (folder / "done").exists()
+        if done or time.monotonic() > deadline:
+            if path.exists():
+                break
+            log = folder / "runner.log"
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            pytest.fail(f"tests/replica_runner.py ended without this script's result:\n{tail}")
+        time.sleep(0.2)
+    return json.loads(path.read_text())

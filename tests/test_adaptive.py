@@ -379,15 +379,10 @@ print("RESULT", repr(opt.dp_state.l2_norm_clip), repr(dopt.dp_state.l2_norm_clip
 
 
 @pytest.mark.slow
-def test_two_replicas_noise_the_all_reduced_count_once():
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", _REPLICAS_SCRIPT], capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, out.stderr[-3000:]
+@pytest.mark.replica_script(_REPLICAS_SCRIPT)
+def test_two_replicas_noise_the_all_reduced_count_once(replica_run):
+    lines = [line for line in replica_run["stdout"].splitlines() if line.startswith("RESULT")]
+    assert lines, replica_run["error"][-3000:]
     single, replicated, weight_error, steps = lines[0].split()[1:]
     assert float(single) != 1.0 and float(replicated) == pytest.approx(float(single), rel=1e-12)
     assert float(weight_error) < 1e-6 and steps == "2"

@@ -282,17 +282,12 @@ print("RESULT", err, final, single[2], multi[2])
 
 
 @pytest.mark.slow
-def test_polyak_under_two_replicas_matches_one_device():
+@pytest.mark.replica_script(_REPLICA_POLYAK_SCRIPT)
+def test_polyak_under_two_replicas_matches_one_device(replica_run):
     """Under MirroredStrategy (2 replicas) the average counts each logical step once and equals
     one device's; fit ends with it in the model."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", _REPLICA_POLYAK_SCRIPT], capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, out.stderr[-3000:]
+    lines = [line for line in replica_run["stdout"].splitlines() if line.startswith("RESULT")]
+    assert lines, replica_run["error"][-3000:]
     err, final, count1, count2 = (float(v) for v in lines[0].split()[1:])
     assert count1 == count2 == 4  # steps 3..6
     assert err < 1e-6

@@ -7,7 +7,6 @@ forever; the launcher kills every worker at the timeout or when one fails).
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -112,18 +111,19 @@ def test_distribute_sampled_refuses_units_unless_the_step_clips_them_whole():
     distribute.distribute_sampled(strategy, data, options=dpcore.ExecutionOptions(group_size=2))
 
 
-@pytest.fixture(scope="module")
-def two_replicas() -> dict:
-    """tests/two_replicas.py's measurements (one subprocess: 2 logical CPUs)."""
-    out = subprocess.run(
-        [sys.executable, TWO_REPLICAS], capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, out.stderr[-3000:]
+@pytest.fixture
+def two_replicas(replica_run) -> dict:
+    """tests/two_replicas.py's measurements (run on 2 logical CPUs)."""
+    lines = [line for line in replica_run["stdout"].splitlines() if line.startswith("RESULT ")]
+    assert lines, replica_run["error"][-3000:]
     return json.loads(lines[0][len("RESULT ") :])
 
 
+ON_TWO_REPLICAS = pytest.mark.replica_script(Path(TWO_REPLICAS).read_text())
+
+
 @pytest.mark.slow
+@ON_TWO_REPLICAS
 def test_an_optimizer_constructed_outside_the_strategy_scope_is_refused(two_replicas):
     """Its DP state would be plain variables: each replica counted every step (dp_steps 6
     after 3 steps with fit; with accumulation_steps=2 no update ever applied), and under several
@@ -135,6 +135,7 @@ def test_an_optimizer_constructed_outside_the_strategy_scope_is_refused(two_repl
 
 
 @pytest.mark.slow
+@ON_TWO_REPLICAS
 def test_the_custom_loop_over_distribute_sampled_runs_on_two_replicas(two_replicas):
     """distribute_sampled hands each replica a copy of step_end per row; dp_train_step folds it
     (it used to refuse it: "step_end must be a bool scalar"). Same update as one device."""
@@ -146,6 +147,7 @@ def test_the_custom_loop_over_distribute_sampled_runs_on_two_replicas(two_replic
 
 
 @pytest.mark.slow
+@ON_TWO_REPLICAS
 def test_units_on_two_replicas_fit_and_one_unit_moves_the_clipped_sum_by_at_most_c(two_replicas):
     """K = 2 rows per unit in 3 slots on 2 replicas: fit pads to whole units per replica (it
     used to split 6 rows 3 + 3, cutting a unit, and the engine refused the batch), and removing

@@ -347,17 +347,12 @@ print("RESULT", err, moved, P := elements[0][2].shape[0], single[3], multi[3],
 
 
 @pytest.mark.slow
-def test_fit_on_sampler_batches_under_two_replicas_matches_one_device():
+@pytest.mark.replica_script(_REPLICA_FIT_SCRIPT)
+def test_fit_on_sampler_batches_under_two_replicas_matches_one_device(replica_run):
     """The sampler's 4-tuples split across 2 replicas (padded to an even size): same noisy
     update, step count, loss and metrics as on one device."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", _REPLICA_FIT_SCRIPT], capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, out.stderr[-3000:]
+    lines = [line for line in replica_run["stdout"].splitlines() if line.startswith("RESULT")]
+    assert lines, replica_run["error"][-3000:]
     err, moved, rows, steps1, steps2, *logs = (float(v) for v in lines[0].split()[1:])
     assert rows % 2 == 1  # the uneven split is exercised
     assert moved > 0.05  # training (with noise) did change the weights

@@ -674,15 +674,10 @@ print("RESULT", err, float(delta.std()), delta.size, same, int(opt.dp_steps.nump
 
 
 @pytest.mark.slow
-def test_two_replicas_sum_clipped_grads_and_add_noise_once():
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", _DISTRIBUTED_SCRIPT], capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, out.stderr[-3000:]
+@pytest.mark.replica_script(_DISTRIBUTED_SCRIPT)
+def test_two_replicas_sum_clipped_grads_and_add_noise_once(replica_run):
+    lines = [line for line in replica_run["stdout"].splitlines() if line.startswith("RESULT")]
+    assert lines, replica_run["error"][-3000:]
     err, std, n, same, steps = lines[0].split()[1:]
     assert float(err) < 1e-6  # accumulated, all-reduced clipped mean equals the reference
     target = 1.0 * 1.0 / 4  # sigma * C / expected_batch_size: noise added once, not per replica

@@ -67,9 +67,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -928,20 +925,13 @@ print("NOISE", float(delta.std()), delta.size, int(noisy.dp_steps.numpy()))
 
 
 @pytest.mark.slow
-def test_two_replicas_clip_every_record_and_noise_once():
-    here = Path(__file__).resolve().parent
-    out = subprocess.run(
-        [sys.executable, "-c", _REPLICA_SCRIPT, str(here), "12"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=here.parent,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), *sys.path])},
-    )
-    lines = {ln.split()[0]: ln.split()[1:] for ln in out.stdout.splitlines() if ln.strip()}
-    assert "SENSITIVITY" in lines, out.stdout[-3000:] + out.stderr[-3000:]
+@pytest.mark.replica_script(_REPLICA_SCRIPT, str(Path(__file__).resolve().parent), "12")
+def test_two_replicas_clip_every_record_and_noise_once(replica_run):
+    stdout, error = replica_run["stdout"], replica_run["error"]
+    lines = {ln.split()[0]: ln.split()[1:] for ln in stdout.splitlines() if ln.strip()}
+    assert "SENSITIVITY" in lines, stdout[-3000:] + error[-3000:]
     result = lines["SENSITIVITY"]
-    assert result[0] == "ok", out.stdout[-3000:] + out.stderr[-3000:]
+    assert result[0] == "ok", stdout[-3000:] + error[-3000:]
     examples, worst, traces, steps = (
         int(result[1]),
         float(result[2]),
