@@ -63,6 +63,24 @@ def _time_loops(models: Sequence[str], batch_size: int) -> dict[str, Any]:
     }
 
 
+def _median_step_s(strategy: Any, replica_fn: Any, counter: Any, batches: Any) -> float:
+    """Median seconds per step over --repeats runs of --steps steps, after --warmup steps."""
+    import tensorflow as tf
+
+    step = tf.function(lambda it: strategy.run(replica_fn, args=next(it)))
+    for _ in range(FLAGS.warmup):
+        step(batches)
+    runs = []
+    for _ in range(FLAGS.repeats):
+        int(counter.numpy())
+        start = time.perf_counter()
+        for _ in range(FLAGS.steps):
+            step(batches)
+        int(counter.numpy())  # waits for the last step
+        runs.append((time.perf_counter() - start) / FLAGS.steps)
+    return statistics.median(runs)
+
+
 def _time_model(strategy: Any, name: str, batch_size: int) -> dict[str, Any]:
     """Times the DP and the non-private step of one model on this worker's B / W rows."""
     import keras
@@ -101,23 +119,9 @@ def _time_model(strategy: Any, name: str, batch_size: int) -> dict[str, Any]:
         grads = tape.gradient(loss, model.trainable_variables)
         plain_opt.apply(grads, model.trainable_variables)  # sums over the replicas
 
-    def timed(replica_fn: Any, counter: Any) -> float:
-        step = tf.function(lambda it: strategy.run(replica_fn, args=next(it)))
-        for _ in range(FLAGS.warmup):
-            step(batches)
-        runs = []
-        for _ in range(FLAGS.repeats):
-            int(counter.numpy())
-            start = time.perf_counter()
-            for _ in range(FLAGS.steps):
-                step(batches)
-            int(counter.numpy())  # waits for the last step
-            runs.append((time.perf_counter() - start) / FLAGS.steps)
-        return statistics.median(runs)
-
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    dp_s = timed(dp_replica, dp_opt.dp_steps)
-    plain_s = timed(plain_replica, plain_opt.iterations)
+    dp_s = _median_step_s(strategy, dp_replica, dp_opt.dp_steps, batches)
+    plain_s = _median_step_s(strategy, plain_replica, plain_opt.iterations, batches)
     return {
         "params": params,
         "dp_step_ms": 1e3 * dp_s,

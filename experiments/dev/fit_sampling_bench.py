@@ -8,6 +8,8 @@ each fit's first step (iterator start) is excluded. Prints the median and quarti
 """
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from absl import app, flags
@@ -18,19 +20,9 @@ FLAGS = flags.FLAGS
 N, B = 8192, 256
 
 
-def main(argv: list[str]) -> None:
-    del argv
+def _timer() -> Any:
+    """A Keras callback that records each step's milliseconds, from the previous step's end."""
     import keras
-    import tensorflow as tf
-    from dpcore_experiments.lib import bench_steps as bench
-
-    import dpcore
-
-    xb, yb = bench.make_batch("mlp", N)
-    x, y = np.asarray(xb), np.asarray(yb)
-    config = dpcore.DPConfig(
-        l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=B, num_examples=N, steps=10**6
-    )
 
     class Timer(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -46,6 +38,40 @@ def main(argv: list[str]) -> None:
             now = time.perf_counter()
             self.times.append((now - self.last) * 1e3)
             self.last = now
+
+    return Timer()
+
+
+def _alternate(
+    runs: dict[str, Callable[[Any], Any]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Runs each path once per round, in alternating order: (step ms, fit wall s) per path;
+    each fit's first step (the iterator's start) is left out."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, run in runs.items() if r % 2 == 0 else reversed(list(runs.items())):
+            timer = _timer()
+            start = time.perf_counter()
+            run(timer)
+            walls[name].append(time.perf_counter() - start)
+            times[name] += timer.times[1:]
+    return times, walls
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import keras
+    import tensorflow as tf
+    from dpcore_experiments.lib import bench_steps as bench
+
+    import dpcore
+
+    xb, yb = bench.make_batch("mlp", N)
+    x, y = np.asarray(xb), np.asarray(yb)
+    config = dpcore.DPConfig(
+        l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=B, num_examples=N, steps=10**6
+    )
 
     def private():
         return dpcore.make_private(
@@ -69,16 +95,8 @@ def main(argv: list[str]) -> None:
         ),
     }
     for run in runs.values():  # warm-up: traces
-        run(Timer())
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    walls: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(FLAGS.rounds):
-        for name, run in runs.items() if r % 2 == 0 else reversed(list(runs.items())):
-            timer = Timer()
-            start = time.perf_counter()
-            run(timer)
-            walls[name].append(time.perf_counter() - start)
-            times[name] += timer.times[1:]
+        run(_timer())
+    times, walls = _alternate(runs, FLAGS.rounds)
     for name in runs:
         t = np.array(times[name])
         q1, med, q3 = np.percentile(t, [25, 50, 75])

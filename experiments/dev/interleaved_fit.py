@@ -57,6 +57,31 @@ def _define_flags() -> None:
     flags.DEFINE_string("json", None, "Write the rows (a JSON list) here.")
 
 
+def _warm_step(
+    model_name: str, method: str, x: Any, y: Any, batch_size: int, warmup: int
+) -> tuple[Any, Any]:
+    """(train function, iterator) of the method's compiled model, traced and warmed up."""
+    import tensorflow as tf
+
+    fit_model = bench.make_fit_model(
+        bench.build_model(model_name, seed=0),
+        "make_private_fit" if method == FLOAT_LABELS else method,
+        batch_size=batch_size,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        learning_rate=0.01,
+    )
+    labels = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), y)
+    batch = (x, labels) if method == FLOAT_LABELS else bench.fit_batch(method, x, y)
+    data = tf.data.Dataset.from_tensors(batch).repeat()
+    fit_model.fit(data, steps_per_epoch=1, epochs=1, verbose=0)  # builds everything
+    iterator = iter(data)
+    train_function = fit_model.make_train_function()
+    for _ in range(warmup):
+        train_function(iterator)
+    return train_function, iterator
+
+
 def measure(
     model_name: str, batch_size: int, methods: list[str], *, rounds: int, warmup: int
 ) -> list[dict[str, Any]]:
@@ -79,25 +104,7 @@ def measure(
         methods.insert(methods.index(FLOAT_LABELS), "make_private_fit")
     xb, yb = bench.make_batch(model_name, batch_size)
     x, y = tf.nest.map_structure(tf.constant, (xb, yb))
-    steps = {}
-    for method in methods:
-        fit_model = bench.make_fit_model(
-            bench.build_model(model_name, seed=0),
-            "make_private_fit" if method == FLOAT_LABELS else method,
-            batch_size=batch_size,
-            l2_norm_clip=1.0,
-            noise_multiplier=1.0,
-            learning_rate=0.01,
-        )
-        labels = tf.nest.map_structure(lambda t: tf.cast(t, tf.float32), y)
-        batch = (x, labels) if method == FLOAT_LABELS else bench.fit_batch(method, x, y)
-        data = tf.data.Dataset.from_tensors(batch).repeat()
-        fit_model.fit(data, steps_per_epoch=1, epochs=1, verbose=0)  # builds everything
-        iterator = iter(data)
-        train_function = fit_model.make_train_function()
-        for _ in range(warmup):
-            train_function(iterator)
-        steps[method] = (train_function, iterator)
+    steps = {m: _warm_step(model_name, m, x, y, batch_size, warmup) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
     rng = np.random.default_rng(0)
     for _ in range(rounds):

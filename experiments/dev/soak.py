@@ -214,8 +214,17 @@ def soak_phase(
         "epsilon": eps,
         "epsilon_dp_accounting": direct,
     }
+    _add_checks(report, max_rss_growth=max_rss_growth)
+    return report
+
+
+def _add_checks(report: dict[str, Any], *, max_rss_growth: float) -> None:
+    """The phase's checks: every step applied, ε as dp-accounting computes it, and from the
+    check step on, flat peak memory, no new traces."""
+    at_check, at_end = report["at_check"], report["at_end"]
+    eps, direct = report["epsilon"], report["epsilon_dp_accounting"]
     checks = {
-        "steps_applied": applied == steps,
+        "steps_applied": report["applied_steps"] == report["steps"],
         "epsilon_matches": abs(eps - direct) <= 1e-9 * max(abs(direct), 1.0),
     }
     if at_check is not None:
@@ -226,7 +235,6 @@ def soak_phase(
             checks[f"{key}_constant"] = at_check[key] == at_end[key]
     report["checks"] = checks
     report["ok"] = all(checks.values())
-    return report
 
 
 def mlp_phase(steps: int) -> dict[str, Any]:
