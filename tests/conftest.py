@@ -42,6 +42,48 @@ def pytest_configure(config):
     )
 
 
+# ------------------------------------------------------------------- work shared by tests
+def _shared_folder(config) -> Path:
+    """A folder of this test run that every pytest-xdist worker of it sees."""
+    base = config._tmp_path_factory.getbasetemp()
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its basetemp is in the run's
+        base = base.parent
+    return base
+
+
+@pytest.fixture(scope="session")
+def run_once(request):
+    """``run_once(name, fn)``: ``fn(folder)`` once per test run, across pytest-xdist workers too
+    (a worker that comes second waits for the first), for work several tests read, such as
+    one start of a cluster; returns the folder. A failure of ``fn`` fails every test asking."""
+    base = _shared_folder(request.config) / "run_once"
+
+    def run(name, fn):
+        folder = base / name
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(folder / ".started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            deadline = time.monotonic() + REPLICA_TIMEOUT_S
+            while not (folder / ".done").exists():
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{name}: not finished by another worker within the timeout")
+                time.sleep(0.5)
+        else:
+            try:
+                fn(folder)
+            except BaseException as e:
+                (folder / ".failed").write_text(f"{type(e).__name__}: {e}")
+                raise
+            finally:
+                (folder / ".done").touch()
+        if (folder / ".failed").exists():
+            pytest.fail(f"{name} failed: {(folder / '.failed').read_text()}")
+        return folder
+
+    return run
+
+
 # ------------------------------------------------------------------------ 2-replica scripts
 # A MirroredStrategy over 2 logical CPUs needs them set before any TensorFlow op of the process,
 # so tests of it run a script in another process. The scripts of every collected test marked
@@ -58,10 +100,7 @@ def _replica_key(marker) -> str:
 
 
 def _replica_folder(config) -> Path:
-    base = config._tmp_path_factory.getbasetemp()
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the folder its run shares
-        base = base.parent
-    return base / "replica_scripts"
+    return _shared_folder(config) / "replica_scripts"
 
 
 def pytest_collection_finish(session):

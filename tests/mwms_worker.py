@@ -1,7 +1,8 @@
 """One worker of the multi-worker tests (run by tests/test_distribute.py via launch_local).
 
-Usage: python tests/mwms_worker.py <scenario> <output folder>. Every worker writes
-``<output folder>/worker<i>.json`` with what the test compares across workers and against a
+Usage: python tests/mwms_worker.py <scenario>[,<scenario>...] <output folder>. Every worker
+writes ``<output folder>/worker<i>.json`` (``<output folder>/<scenario>/worker<i>.json`` for
+several scenarios) with what the test compares across workers and against a
 single-process run of the same global sample (computed here too, outside the strategy).
 """
 
@@ -344,5 +345,10 @@ def preempt(out):
 
 
 if __name__ == "__main__":
-    scenario, out = sys.argv[1], sys.argv[2]
-    {"dp_step": dp_step, "fit": fit, "preempt": preempt}[scenario](out)
+    # Several scenarios ("dp_step,fit") run one after the other in one cluster start, each in
+    # its own folder <output folder>/<scenario>.
+    names, out = sys.argv[1].split(","), sys.argv[2]
+    for name in names:
+        folder = out if len(names) == 1 else os.path.join(out, name)
+        os.makedirs(folder, exist_ok=True)
+        {"dp_step": dp_step, "fit": fit, "preempt": preempt}[name](folder)

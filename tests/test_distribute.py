@@ -40,7 +40,20 @@ def _run_workers(scenario: str, tmp_path: Path, workers: int = 2) -> list[dict]:
     )
     if any(run.returncode != 0 for run in runs):
         pytest.fail(_report(runs))
-    return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(workers)]
+    if "," in scenario:
+        return []  # each scenario's results are in its own folder
+    return _results(tmp_path, workers)
+
+
+def _results(folder: Path, workers: int = 2) -> list[dict]:
+    return [json.loads((folder / f"worker{i}.json").read_text()) for i in range(workers)]
+
+
+@pytest.fixture
+def dp_step_and_fit(run_once) -> Path:
+    """One start of a 2-worker cluster that runs the dp_step and fit scenarios (once per test
+    run: the tests of both read it); their results are in its dp_step/ and fit/ folders."""
+    return run_once("mwms_dp_step_fit", lambda folder: _run_workers("dp_step,fit", folder))
 
 
 def test_single_process_is_one_chief_worker():
@@ -161,9 +174,9 @@ def test_units_on_two_replicas_fit_and_one_unit_moves_the_clipped_sum_by_at_most
 
 
 @pytest.mark.slow
-def test_dp_step_on_two_workers_matches_one_process(tmp_path):
+def test_dp_step_on_two_workers_matches_one_process(dp_step_and_fit):
     """Custom loop (strategy.run of dp_train_step) on 2 workers over the sharded sampler."""
-    w0, w1 = _run_workers("dp_step", tmp_path)
+    w0, w1 = _results(dp_step_and_fit / "dp_step")
     assert w0["info"] == [2, 0, True] and w1["info"] == [2, 1, False]
     assert w0["shared_seed"] == w1["shared_seed"]
     for key in ("sigma0", "sigma1"):
@@ -189,11 +202,12 @@ def test_dp_step_on_two_workers_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_fit_and_evaluate_on_two_workers_match_one_process(tmp_path):
+def test_fit_and_evaluate_on_two_workers_match_one_process(dp_step_and_fit):
     """DPModel.fit/evaluate under MultiWorkerMirroredStrategy (dpcore's own epoch loop): the
     Keras surface (callbacks, History, validation, metrics over real rows of every worker)
     and the same weights and logs as one process fitting the same global sample."""
-    w0, w1 = _run_workers("fit", tmp_path)
+    tmp_path = dp_step_and_fit / "fit"
+    w0, w1 = _results(tmp_path)
     for w in (w0, w1):
         assert w["dp_steps"] == 10 and w["batches"] == 10 and w["epochs"] == 2
         assert w["data_feed"] == "masked_batches"
