@@ -4,10 +4,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-# TensorFlow 2.21's oneDNN CPU kernels intermittently return NaN or abort ("dnnl::error: object is
-# not initialized") inside vectorized_map over attention layers on AMD Zen 4 CPUs; the stock
-# Eigen kernels are exact and deterministic here. Tests compare against exact references.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402

@@ -1,5 +1,7 @@
 """The vectorized engine against the slow exact reference."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -8,8 +10,10 @@ import tensorflow as tf
 import dpcore
 import dpcore.engine as engine
 from dpcore import aggregation
+from dpcore.engine import vectorized
 from dpcore.options import ExecutionOptions
 from dpcore.testing import (
+    assert_sq_norm_bound,
     reference_clipped_mean,
     reference_input_gradients,
     reference_per_example_gradients,
@@ -264,3 +268,106 @@ def test_grouped_conv_takes_the_per_example_loop_and_matches_the_reference(rng):
     norms = dpcore.per_example_norms(model, loss, x, y)  # the whole-model fallback of "auto"
     ref = np.sqrt(sum(np.sum(w.reshape(3, -1) ** 2, axis=1) for w in want))
     np.testing.assert_allclose(np.asarray(norms), ref, rtol=1e-5)
+
+
+MSE = keras.losses.MeanSquaredError(reduction=None)
+
+
+class _EinsumProjection(keras.layers.Layer):
+    """A layer without a rule: the fast path's per-layer fallback vectorizes its gradient."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4))
+
+    def call(self, x):
+        return keras.ops.tanh(keras.ops.einsum("btd,de->bte", x, self.kernel))
+
+
+def _einsum_model():
+    """The model of the oneDNN report (EinsumDense on 3-D inputs, pooling, Dense(1)), with
+    attention and a rule-less einsum layer."""
+    L = keras.layers  # named layers: Keras's automatic names stay as other tests expect them
+    inp = keras.Input((6, 16))
+    h = L.EinsumDense("btd,de->bte", output_shape=(None, 8), name="einsum")(inp)
+    h = L.MultiHeadAttention(2, 4, name="mha")(h, h)
+    h = _EinsumProjection(name="projection")(h)
+    out = L.Dense(1, name="head")(L.GlobalAveragePooling1D(name="pool")(h))
+    return keras.Model(inp, out, name="einsum_model")
+
+
+@pytest.mark.filterwarnings("ignore:dpcore. model")
+def test_vectorized_path_never_builds_the_broadcast_product_onednn_corrupts(rng):
+    """tf.vectorized_map turns EinsumDense's ``[1, T, D] x [D, E]`` into ``[B, 1, T, D] x [D, E]``,
+    the product on which TensorFlow 2.21's oneDNN matmul corrupts the heap; what dpcore traces
+    (the vectorized path per example, in units, in chunks, and the fast path's per-layer fallback)
+    holds none, and still matches the reference."""
+    model = _einsum_model()
+    x = rng.normal(size=(8, 6, 16)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    ref = reference_per_example_norms(reference_per_example_gradients(model, MSE, x, y))
+    ref_sq = np.asarray(ref, np.float64) ** 2
+
+    def traced(options):
+        def step(x, y):
+            return engine.summarize(model, MSE, x, y, options=options).sq_norms
+
+        return tf.function(step).get_concrete_function(x, y)
+
+    plain = ExecutionOptions(method="vectorized", training=False)
+    for options in (
+        plain,
+        plain.replace(group_size=2),
+        plain.replace(chunk_size=3),
+        ExecutionOptions(method="fast", training=False),
+    ):
+        fn = traced(options)
+        assert vectorized.broadcast_batch_matmul(fn.graph) is None, options
+        if options.group_size == 1:
+            got = np.sum(np.asarray(fn(x, y), np.float64), axis=1)
+            assert_sq_norm_bound(got, ref_sq, err_msg=str(options))
+    # The same trace with TensorFlow's own conversion holds the product (the search reaches the
+    # vectorized program's own function graph).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vectorized, "folded_products", contextlib.nullcontext)
+        found = vectorized.broadcast_batch_matmul(traced(plain).graph)
+    assert found is not None and "einsum" in found and "[8, 1, 6, 16] x [16, 8]" in found, found
+
+
+@pytest.mark.parametrize(
+    "x_shape, x_per_example, y_shape, y_per_example, adj_x, adj_y",
+    [
+        ((1, 6, 5), True, (5, 3), False, False, False),  # EinsumDense: [1, T, D] x [D, E]
+        ((1, 6, 5), True, (3, 5), False, False, True),
+        ((5, 6), True, (1, 5, 3), False, True, False),
+        ((6, 5), True, (2, 5, 3), False, False, False),  # the shared operand broadcasts
+        ((2, 6, 5), True, (5, 3), False, False, False),
+        ((1, 6, 5), False, (5, 3), True, False, False),  # the per-example operand on the right
+        ((2, 5, 6), False, (2, 3, 5), True, True, True),
+        ((6, 5), False, (1, 5, 3), True, False, False),
+        ((1, 6, 5), True, (1, 5, 3), True, False, False),  # both per example: TensorFlow's own
+    ],
+)
+def test_folded_products_compute_each_examples_product(
+    x_shape, x_per_example, y_shape, y_per_example, adj_x, adj_y, rng
+):
+    """Under folded_products, vectorized_map of a batched matmul equals the matmul of each
+    example, holds no broadcast rank-4 product, and TensorFlow's converter is back afterwards."""
+    from tensorflow.python.ops.parallel_for import pfor
+
+    n = 4
+    xs = tf.constant(rng.normal(size=((n,) if x_per_example else ()) + x_shape), tf.float32)
+    ys = tf.constant(rng.normal(size=((n,) if y_per_example else ()) + y_shape), tf.float32)
+
+    def one(i):
+        a = tf.gather(xs, i) if x_per_example else xs
+        b = tf.gather(ys, i) if y_per_example else ys
+        return tf.matmul(a, b, adjoint_a=adj_x, adjoint_b=adj_y)
+
+    original = pfor._pfor_converter_registry["BatchMatMulV2"]
+    fn = tf.function(lambda i: vectorized.map_examples(one, i)).get_concrete_function(
+        tf.TensorSpec([n], tf.int32)
+    )
+    assert pfor._pfor_converter_registry["BatchMatMulV2"] is original
+    assert vectorized.broadcast_batch_matmul(fn.graph) is None
+    want = np.stack([one(tf.constant(i)).numpy() for i in range(n)])
+    np.testing.assert_allclose(fn(tf.range(n)).numpy(), want, rtol=1e-5, atol=1e-5)

@@ -47,6 +47,7 @@ from dpcore.engine.summary import (
     weighted_loss,
     zero_rows,
 )
+from dpcore.engine.vectorized import map_examples
 from dpcore.options import ExecutionOptions, resolve
 from dpcore.rules import default_registry, lookup
 from dpcore.rules.base import (
@@ -304,9 +305,10 @@ class _Recorder:
 def _fallback_grads(
     layer: Any, uses: Sequence[Use], wanted: set[int], live: tf.Tensor
 ) -> list[VariableGrad]:
-    """Per-example gradients of one layer's variables by a vectorized per-example VJP; those of
-    the examples where ``live`` is False are selected to zero (padding rows contribute nothing,
-    even where the layer's Jacobian is not finite on their zeroed inputs)."""
+    """Per-example gradients of one layer's variables by a vectorized per-example VJP
+    (:func:`dpcore.engine.vectorized.map_examples`); those of the examples where ``live`` is
+    False are selected to zero (padding rows contribute nothing, even where the layer's Jacobian
+    is not finite on their zeroed inputs)."""
     variables = [v for v in graph.trainable_weights(layer) if id(v) in wanted]
 
     def split(structure: Any) -> tuple[list, list, Any]:
@@ -342,7 +344,7 @@ def _fallback_grads(
         )
         return [tf.convert_to_tensor(g) for g in grads]
 
-    per_example = zero_rows(tf.vectorized_map(one, elems), live)
+    per_example = zero_rows(map_examples(one, elems), live)
     return [
         from_per_example(v, g, path="fallback:vectorized") for v, g in zip(variables, per_example)
     ]

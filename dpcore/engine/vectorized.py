@@ -12,13 +12,25 @@ element is a unit: the model runs on the unit's ``K`` rows as one small batch an
 that of the unit's summed (weighted) loss, so only ``[U, *var.shape]`` gradients are formed.
 Each example's loss includes the penalties of its activity-regularized outputs
 (:mod:`dpcore.engine.activity`), recorded in the per-example call.
+
+Every vectorized conversion of dpcore runs under :func:`folded_products`: a batched matmul of a
+per-example operand and a shared one (an ``EinsumDense``'s or ``MultiHeadAttention``'s
+``[1, T, D] x [D, E]``, which ``tf.vectorized_map`` would turn into ``[B, 1, T, D] x [D, E]``) is
+converted by moving the examples into the rows (``[B*T, D] x [D, E]``), so the vectorized program
+holds no batched matmul whose batch shapes differ beyond those of the per-example program.
+TensorFlow 2.21's oneDNN CPU kernels, on by default on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or
+AMX, corrupt the heap on that broadcast rank-4 product (the process aborts, or a gradient comes
+back NaN or wrong; TensorFlow issues 117700 and 123109); :func:`broadcast_batch_matmul` finds
+such products.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -140,9 +152,179 @@ def _vectorized(fn: Callable, elems: Any) -> Any:
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), elems)
 
     def vectorized(elems: Any) -> Any:
-        return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
+        return map_examples(fn, elems)
 
     return tf.function(vectorized, autograph=False).get_concrete_function(specs)(elems)
+
+
+def map_examples(fn: Callable, elems: Any) -> Any:
+    """``tf.vectorized_map(fn, elems, fallback_to_while_loop=False)`` converted under
+    :func:`folded_products`; conversion errors propagate."""
+    with folded_products():
+        return tf.vectorized_map(fn, elems, fallback_to_while_loop=False)
+
+
+_FOLD_LOCK = threading.Lock()
+_FOLD_DEPTH = 0
+
+
+@contextlib.contextmanager
+def folded_products() -> Iterator[None]:
+    """Within it, ``tf.vectorized_map`` converts a ``BatchMatMulV2`` of one per-example operand and
+    one shared operand with the examples folded into the rows (or columns) of the product.
+
+    The converted product has the batch shape of the per-example product or less:
+    ``[1, T, D] x [D, E]`` becomes one rank-2 ``[B*T, D] x [D, E]`` matmul instead of TensorFlow's ``[B, 1, T, D] x [D, E]`` with
+    broadcast batch axes. Each output entry is the same dot product of one row and one column (up
+    to the kernel's order of summation), so the result is each example's product. Products of two
+    per-example operands keep TensorFlow's conversion (both then carry the examples' axis, so their
+    batch shapes are those of the per-example product with that axis in front). Conversion happens
+    when the vectorized function is traced; TensorFlow's converter is restored on exit. Without
+    TensorFlow's converter registry (another TensorFlow version) it does nothing.
+    """
+    global _FOLD_DEPTH
+    try:
+        from tensorflow.python.ops.parallel_for import pfor
+    except ImportError:  # pragma: no cover - a TensorFlow without it
+        yield
+        return
+    registry = getattr(pfor, "_pfor_converter_registry", None)
+    if not isinstance(registry, dict) or "BatchMatMulV2" not in registry:  # pragma: no cover
+        yield
+        return
+    with _FOLD_LOCK:
+        if _FOLD_DEPTH == 0:
+            original = registry["BatchMatMulV2"]
+            registry["BatchMatMulV2"] = _folding_converter(original, pfor.wrap)
+        _FOLD_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _FOLD_LOCK:
+            _FOLD_DEPTH -= 1
+            if _FOLD_DEPTH == 0:
+                registry["BatchMatMulV2"] = getattr(
+                    registry["BatchMatMulV2"], "original", registry["BatchMatMulV2"]
+                )
+
+
+def _folding_converter(original: Callable, wrap: Callable) -> Callable:
+    def convert(pfor_input: Any) -> Any:
+        x, x_stacked, _ = pfor_input.input(0)
+        y, y_stacked, _ = pfor_input.input(1)
+        if x_stacked == y_stacked or x.shape.rank is None or y.shape.rank is None:
+            return original(pfor_input)
+        adj_x = pfor_input.get_attr("adj_x")
+        adj_y = pfor_input.get_attr("adj_y")
+        if x_stacked:
+            out = _fold_rows(x, y, adj_x=adj_x, adj_y=adj_y)
+        else:
+            out = _fold_columns(x, y, adj_x=adj_x, adj_y=adj_y)
+        return wrap(out, True)
+
+    convert.original = original  # type: ignore[attr-defined]
+    return convert
+
+
+def _fold_rows(x: tf.Tensor, y: tf.Tensor, *, adj_x: bool, adj_y: bool) -> tf.Tensor:
+    """``matmul(x[i], y)`` for every example ``i`` of ``x [N, *xb, M, K]``; ``y [*yb, K, L]``
+    shared: one product ``[*xb, N*M, K] x [*yb, K, L]`` (``[N*prod(xb)*M, K] x [K, L]`` for a
+    rank-2 ``y``), reshaped to ``[N, *batch, M, L]``."""
+    if adj_x:
+        x = tf.linalg.adjoint(x)
+    if y.shape.rank == 2:  # every leading axis folds into the rows: one rank-2 MatMul
+        shape = tf.shape(x)
+        prod = tf.matmul(tf.reshape(x, [-1, shape[-1]]), y, adjoint_b=adj_y)
+        out = tf.reshape(prod, tf.concat([shape[:-1], tf.shape(prod)[-1:]], 0))
+        out.set_shape(x.shape[:-1].concatenate(prod.shape[-1:]))
+        return out
+    p = x.shape.rank - 3  # the per-example operand's batch axes
+    if p:  # [N, *xb, M, K] -> [*xb, N, M, K]
+        x = _permute(x, [*range(1, p + 1), 0, p + 1, p + 2])
+    shape = tf.shape(x)
+    n, m, k = shape[p], shape[p + 1], shape[p + 2]
+    prod = tf.matmul(tf.reshape(x, tf.concat([shape[:p], [n * m, k]], 0)), y, adjoint_b=adj_y)
+    q = prod.shape.rank - 2  # the product's batch axes (broadcast of xb and yb)
+    out_shape = tf.shape(prod)
+    prod = tf.reshape(prod, tf.concat([out_shape[:q], [n, m, out_shape[q + 1]]], 0))
+    return _permute(prod, [q, *range(q), q + 1, q + 2])
+
+
+def _fold_columns(x: tf.Tensor, y: tf.Tensor, *, adj_x: bool, adj_y: bool) -> tf.Tensor:
+    """``matmul(x, y[i])`` for every example ``i`` of ``y [N, *yb, K, L]``; ``x [*xb, M, K]``
+    shared: one product ``[*xb, M, K] x [*yb, K, N*L]``, reshaped to ``[N, *batch, M, L]``."""
+    if adj_y:
+        y = tf.linalg.adjoint(y)
+    p = y.shape.rank - 3
+    # [N, *yb, K, L] -> [*yb, K, N, L]
+    y = _permute(y, [*range(1, p + 1), p + 1, 0, p + 2])
+    shape = tf.shape(y)
+    k, n, cols = shape[p], shape[p + 1], shape[p + 2]
+    prod = tf.matmul(x, tf.reshape(y, tf.concat([shape[:p], [k, n * cols]], 0)), adjoint_a=adj_x)
+    q = prod.shape.rank - 2
+    out_shape = tf.shape(prod)
+    prod = tf.reshape(prod, tf.concat([out_shape[:q], [out_shape[q], n, cols]], 0))
+    # [*batch, M, N, L] -> [N, *batch, M, L]
+    return _permute(prod, [q + 1, *range(q), q, q + 2])
+
+
+def _permute(t: tf.Tensor, perm: list[int]) -> tf.Tensor:
+    """``tf.transpose(t, perm)``; a reshape where only axes of static size 1 move (the common
+    ``[N, 1, T, D]``), which keeps the order of the elements."""
+    if perm == sorted(perm):
+        return t
+    moved = [a for a in perm if t.shape[a] != 1]
+    if moved == sorted(moved):
+        out = tf.reshape(t, tf.gather(tf.shape(t), perm))
+        out.set_shape([t.shape[a] for a in perm])
+        return out
+    return tf.transpose(t, perm)
+
+
+_BATCH_MATMULS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
+def broadcast_batch_matmul(graph: Any) -> str | None:
+    """A batched matmul in ``graph`` (or a function it calls) whose two operands have different
+    batch shapes and whose result has rank 4 or more, described for a message; None if none.
+
+    This is the product on which TensorFlow 2.21's oneDNN matmul corrupts the heap (a rank-4 left
+    operand with a size-1 axis times a broadcast rank-2 right operand, ``[B, 1, T, D] x [D, E]``,
+    as ``tf.vectorized_map`` makes of a ``[1, T, D] x [D, E]`` product without
+    :func:`folded_products`). Products whose batch shapes are equal, rank-2 ``MatMul`` and
+    rank-3 broadcasts (Keras's own ``[B, T, D] x [D, E]``) are not reported. An operand of unknown
+    rank counts as broadcast.
+    """
+    seen: set[int] = set()
+    pending = [graph]
+    while pending:
+        g = pending.pop()
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        for op in g.get_operations():
+            if op.type in _BATCH_MATMULS and _broadcast_rank4(op):
+                a, b = (t.shape for t in op.inputs[:2])
+                return f"{op.name} ({_dims(a)} x {_dims(b)})"
+        # Functions the graph calls (while-loop bodies, conditionals) hold ops of their own.
+        pending.extend(
+            f.graph for f in getattr(g, "_functions", {}).values() if hasattr(f, "graph")
+        )
+    return None
+
+
+def _broadcast_rank4(op: Any) -> bool:
+    a, b = (t.shape for t in op.inputs[:2])
+    if a.rank is None or b.rank is None:
+        return True
+    batch_a, batch_b = list(a)[:-2], list(b)[:-2]
+    if max(len(batch_a), len(batch_b)) + 2 < 4:
+        return False
+    return len(batch_a) != len(batch_b) or any(x != y for x, y in zip(batch_a, batch_b))
+
+
+def _dims(shape: Any) -> str:
+    return "?" if shape.rank is None else "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _first_line(err: Exception) -> str:
