@@ -24,6 +24,7 @@ from dpcore.engine import independence
 from dpcore.losses import per_example_loss_fn
 from dpcore.options import ExecutionOptions
 from dpcore.step import dp_step, dp_train_step
+from tests.models import keras_divides_activity_penalty
 from tests.test_validation_entry_points import X, Y, _optimizer
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
@@ -132,6 +133,92 @@ def test_a_loss_that_mixes_examples_is_refused(method):
     for _, call in _entry_points(model, _in_batch_loss, method):
         with pytest.raises(ValueError, match="the loss mixes examples"):
             call()
+
+
+# Keras 3.6 adds an activity penalty undivided by the batch size, and dpcore refuses activity
+# regularizers there before any probe.
+DIVIDED_ACTIVITY = pytest.mark.skipif(
+    not keras_divides_activity_penalty(), reason="this Keras adds activity penalties undivided"
+)
+
+
+def _plus_batch_mean() -> keras.layers.Layer:
+    return keras.layers.Lambda(
+        lambda h: h + keras.ops.mean(h, axis=0, keepdims=True), name="plus_mean"
+    )
+
+
+def _plus_batch_mean_gradient() -> keras.layers.Layer:
+    """Its value is its input; its gradient spreads each row's over the batch."""
+
+    def call(h):
+        m = keras.ops.mean(h, axis=0, keepdims=True)
+        return h + (m - keras.ops.stop_gradient(m))
+
+    return keras.layers.Lambda(call, name="plus_mean_gradient")
+
+
+def _penalized_side_branch(mixer=None, regularized=None) -> keras.Model:
+    """``d1`` feeds the output and, through ``mixer``, an activity-regularized layer whose value
+    reaches the output only times zero: the model's outputs and the loss's gradients keep rows
+    apart, and only that layer's penalty, part of each example's clipped loss, sees ``mixer``."""
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="d1")(inputs)
+    side = h if mixer is None else mixer(h)
+    if regularized is None:
+        regularized = keras.layers.Dense(
+            4, activity_regularizer=keras.regularizers.L2(0.5), name="penalized"
+        )
+    side = regularized(side)
+    out = keras.layers.Dense(1, name="out")(h)
+    joined = keras.layers.Lambda(
+        lambda t: t[0] + 0.0 * keras.ops.sum(t[1], axis=-1, keepdims=True), name="join"
+    )([out, side])
+    return keras.Model(inputs, joined)
+
+
+@DIVIDED_ACTIVITY
+@pytest.mark.parametrize("method", ["fast", "vectorized"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: _penalized_side_branch(_plus_batch_mean()),
+        lambda: _penalized_side_branch(_plus_batch_mean_gradient()),
+        lambda: _penalized_side_branch(
+            _plus_batch_mean_gradient(),
+            keras.layers.Activation(
+                "tanh", activity_regularizer=keras.regularizers.L2(0.5), name="penalized"
+            ),
+        ),
+    ],
+    ids=["penalty's value", "penalty's gradient, rule layer", "penalty's gradient, no rule"],
+)
+def test_rows_mixed_into_an_activity_penalty_alone_are_refused_by_every_entry_point(build, method):
+    """On the fast path the penalty of one example is computed on the whole batch: rows mixed
+    into it, by value or by gradient only, reach the other examples' clipped gradients although
+    the outputs and the loss keep rows apart. The probe checks the loss the engine clips."""
+    model = build()
+    before = [np.array(v) for v in model.variables]
+    for name, call in _entry_points(model, "mse", method):
+        with pytest.raises(ValueError, match="mixes examples downstream of layer 'd1'"):
+            call()
+        for v, b in zip(model.variables, before):
+            np.testing.assert_array_equal(np.array(v), b, err_msg=f"{name}: {v.path}")
+
+
+@DIVIDED_ACTIVITY
+def test_an_activity_regularized_model_that_keeps_rows_apart_keeps_the_fast_path():
+    model = _penalized_side_branch()  # the same penalized branch, without mixing
+    assert independence.mixing_probe(
+        model, per_example_loss_fn("mse"), X, Y, training=True, variables=model.variables
+    ) == (None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
+        for _, call in _entry_points(model, "mse", "fast"):
+            call()
+        summary = engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
+    assert "vectorized" not in set(summary.paths.values())
+    assert dpcore.explain(model).whole_model_fallback is None
 
 
 def test_mixing_of_token_ids_before_the_embedding_is_found():

@@ -7,7 +7,10 @@ Contract: per-example clipping bounds one example's influence on the update only
 a ``Lambda`` or Keras op that centres over the batch, a custom layer without weights that rolls
 or sorts rows, a loss with in-batch negatives, a layer whose value is its input but whose
 gradient couples rows (``x + m - tf.stop_gradient(m)`` with ``m`` a batch mean, a
-``tf.custom_gradient`` over the batch).
+``tf.custom_gradient`` over the batch). Example ``i``'s loss here is what the engine clips: its
+loss plus the penalties of its rows of the activity-regularized outputs
+(:mod:`dpcore.engine.activity`), so rows mixed into a regularized layer are found even where
+they never reach the model's outputs (a side branch, a gradient-only coupling).
 
 :func:`mixing_probe` runs the model eagerly on a thread of its own (outside the caller's trace,
 with gradient tapes of its own), in the caller's ``training`` mode, each call inside a fresh
@@ -19,22 +22,25 @@ batch that runs, so that a layer that mixes rows only at even sizes or above som
 run as it runs; only the sites found rows-first at ``R`` are changed and checked there, so an
 axis of the same size is never taken for the batch). At each size:
 
-1. twice as it is: row 0 of the outputs must come out bit for bit the same (else "not verified");
+1. twice as it is: row 0 of the outputs, and of the activity penalties (recorded in each
+   regularized layer's call, on its output before the site there changes it), must come out bit
+   for bit the same (else "not verified");
 2. with some rows changed at every *site* the batch flows through (the model's inputs and the
    output of every leaf layer call, :func:`dpcore.engine.graph.run`; a model that cannot be
    replayed layer by layer has its inputs as the only site), in two directions: rows ``1..R-1``
-   changed, row 0 of the outputs must come out bit for bit the same; row 0 changed, rows
-   ``1..R-1`` must (a cumulative sum over the batch shows only in the second). A model that
-   treats rows independently computes each row from that row alone, with the same operations on
-   the same values, whatever the other rows hold, and so whatever the weights. Any difference is
-   mixing; a bisection over the sites names the last one whose changed rows reach the others
-   (the mixing is downstream of it);
-3. the loss on the first call's outputs and labels, then with rows changed in the same two
-   directions (their predictions replaced by the model's own predictions for changed inputs,
-   their labels flipped between 0 and 1): the other examples' losses must stay bit for bit the
-   same, else the loss mixes examples;
-4. the backward pass, run as the fast path runs it (:mod:`dpcore.engine.ghost`'s recorder): the
-   loss of each single row (of rows ``0`` and ``1..B-1`` together on the batch's own size) is
+   changed, row 0 of the outputs and penalties must come out bit for bit the same; row 0
+   changed, rows ``1..R-1`` must (a cumulative sum over the batch shows only in the second). A
+   model that treats rows independently computes each row from that row alone, with the same
+   operations on the same values, whatever the other rows hold, and so whatever the weights.
+   Any difference is mixing; a bisection over the sites names the last one whose changed rows
+   reach the others (the mixing is downstream of it);
+3. the loss (with the penalties) on the first call's outputs and labels, then with rows changed
+   in the same two directions (their predictions and penalties replaced by the model's own for
+   changed inputs, their labels flipped between 0 and 1): the other examples' losses must stay
+   bit for bit the same, else the loss mixes examples;
+4. the backward pass, run as the fast path runs it (:mod:`dpcore.engine.ghost`'s recorder, which
+   records the penalties of the outputs its rules compute): the loss with the penalties of each
+   single row (of rows ``0`` and ``1..B-1`` together on the batch's own size) is
    differentiated to every floating input, every leaf layer output and every tensor whose
    output gradient the fast path reads (a rule's pre-activation output); on every other row
    the gradient must be exactly zero. A finite non-zero value is mixing (the fast path's
@@ -87,7 +93,7 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore import validation
-from dpcore.engine import graph
+from dpcore.engine import activity, graph
 from dpcore.engine.summary import batch_signature, probe_rows
 
 __all__ = [
@@ -362,8 +368,9 @@ def _probe_at(
     directions = [(tuple(range(1, rows)), (0,)), ((0,), tuple(range(1, rows)))]
     inputs = len(tf.nest.flatten(x))  # sites 0 .. inputs - 1 are the model's inputs
 
-    def forward(xs: Any, changed: Any, sign: int) -> Any:
-        """The model on ``xs``; at site ``i`` the rows ``changed(i)`` move by ``sign``."""
+    def forward(xs: Any, changed: Any, sign: int) -> tuple[Any, tf.Tensor | None]:
+        """The model's outputs on ``xs`` and each row's activity penalties (None without
+        regularizers); at site ``i`` the rows ``changed(i)`` move by ``sign``."""
         count = [0]
 
         def site(t: Any, label: str) -> Any:
@@ -381,14 +388,20 @@ def _probe_at(
             outputs = layer(*args, **kwargs)
             return tf.nest.map_structure(lambda t: site(t, f"layer {layer.name!r}"), outputs)
 
-        with keras.StatelessScope(initialize_variables=False):
+        # A regularized layer records its penalty in its ``__call__``, on its output before the
+        # site there changes it: a penalty reached by changed rows of an earlier site is mixing.
+        with keras.StatelessScope(initialize_variables=False), activity.capture(model) as sink:
             xs = tf.nest.map_structure(lambda t: site(t, "the model's inputs"), xs)
             if graph.walk_reason(model) is None:
-                return graph.run(model, xs, training=training, layer_fn=layer_fn)
-            return model(xs, training=training)
+                pred = graph.run(model, xs, training=training, layer_fn=layer_fn)
+            else:
+                pred = model(xs, training=training)
+        return pred, sink.per_row(rows)
 
-    def losses(ys: Any, pred: Any) -> np.ndarray:
-        return np.asarray(tf.reshape(loss_fn(ys, pred), [rows]))
+    def losses(ys: Any, run: tuple[Any, tf.Tensor | None]) -> np.ndarray:
+        """Each row's loss on the outputs of ``run``, plus its penalties: what the engine clips."""
+        pred, penalty = run
+        return np.asarray(_with_penalty(tf.reshape(loss_fn(ys, pred), [rows]), penalty))
 
     everything = tuple(range(rows))
     first_base: tuple[Any, Any] | None = None
@@ -420,9 +433,12 @@ def _probe_at(
                         high = mid - 1
                     else:
                         low = mid
+                seen = "outputs"
+                if _same(_rows_of(base[0], rows, kept), _rows_of(moved[0], rows, kept)):
+                    seen = "activity regularizers' penalties (the outputs are unchanged)"
                 return (
                     f"the model mixes examples downstream of {labels[low]}: values of some "
-                    "examples there change other examples' outputs (batch statistics, a "
+                    f"examples there change other examples' {seen} (batch statistics, a "
                     "mean, maximum, sort, roll or cumulative sum over the batch axis, a layer "
                     f"that combines rows){at}",
                     None,
@@ -471,6 +487,14 @@ def _flipped_tree(rows: int, ys: Any, changed: tuple[int, ...]) -> Any:
     return tf.nest.map_structure(lambda t: _flipped(rows, t, changed), ys)
 
 
+def _with_penalty(per_example: tf.Tensor, penalty: tf.Tensor | None) -> tf.Tensor:
+    """``[rows]`` losses plus each row's activity penalties (float32, as the engine adds them,
+    :func:`dpcore.engine.activity.add_penalties`); the losses as they are without penalties."""
+    if penalty is None:
+        return per_example
+    return tf.cast(per_example, tf.float32) + penalty
+
+
 # Up to this many probe rows, the backward check differentiates every row's loss on its own.
 _SINGLES = 8
 
@@ -493,7 +517,8 @@ def _backward_probe(
     The model runs as the fast path runs it (:class:`dpcore.engine.ghost._Recorder`: rule layers
     recomputed by their rules), and every floating input, every tensor whose gradient the fast
     path reads (a rule's pre-activation output, a rule-less layer's outputs) and every leaf layer
-    output is a site. For each group the summed loss of its rows is differentiated to every site:
+    output is a site. For each group the summed loss of its rows (with their activity penalties,
+    as the fast path adds them) is differentiated to every site:
     the other rows of each gradient must be exactly zero. A finite non-zero value is mixing (e.g.
     ``x + m - tf.stop_gradient(m)`` with ``m`` a batch mean, or a ``tf.custom_gradient`` that
     mixes rows); a non-finite one leaves the backward pass unverified. ``rows_first`` and ``known``
@@ -520,8 +545,6 @@ def _backward_probe(
 
     try:
         tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
-        recorder = ghost._Recorder(tape, registry, wanted, training)
-        recorder.want(variables)
 
         def layer_fn(layer: Any, args: tuple, kwargs: dict) -> Any:
             outputs = recorder(layer, args, kwargs)
@@ -536,11 +559,20 @@ def _backward_probe(
                 watch(tape, t, f"layer {layer.name!r}")
             return outputs
 
-        with keras.StatelessScope(initialize_variables=False), tape:
+        # Each row's loss with its activity penalties, as the fast path records them: Keras's
+        # calls in the capture's sink, the recorder those of the outputs its rules compute.
+        with (
+            keras.StatelessScope(initialize_variables=False),
+            tape,
+            activity.capture(model) as sink,
+        ):
+            recorder = ghost._Recorder(tape, registry, wanted, training, sink=sink)
+            recorder.want(variables)
             for t in tf.nest.flatten(xs):
                 watch(tape, t, "the model's inputs")
             pred = graph.run(model, xs, training=training, layer_fn=layer_fn)
             per_example = tf.reshape(loss_fn(ys, pred), [rows])
+            per_example = _with_penalty(per_example, sink.per_row(rows))
             totals = [tf.reduce_sum(tf.gather(per_example, list(g))) for g in groups]
         leaks: set[int] = set()
         nonfinite: set[int] = set()
