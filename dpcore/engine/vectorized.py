@@ -147,7 +147,11 @@ def _vectorized(fn: Callable, elems: Any) -> Any:
     A conversion that fails part-way (e.g. pfor on the ``TensorList`` ops of a masked LSTM's while
     loop) would otherwise leave its converted ops in the caller's graph, where a stateful one still
     runs, and fails, after the fallback below was chosen; in a graph of its own, a failed attempt
-    leaves nothing behind.
+    leaves nothing behind. It also keeps a second pass over the batch (the non-finite recompute,
+    inside a ``tf.cond``) bit-for-bit equal to the first on the rows both keep, as a skipped unit
+    must add exactly nothing: each pass calls a function optimized on its own, whereas the same
+    ops inlined into the caller's graph and into the branch get rewritten differently by
+    grappler's arithmetic optimizer (a ``tf.map_fn`` loop over attention differed in the last bits).
     """
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), elems)
 
@@ -174,13 +178,14 @@ def folded_products() -> Iterator[None]:
     one shared operand with the examples folded into the rows (or columns) of the product.
 
     The converted product has the batch shape of the per-example product or less:
-    ``[1, T, D] x [D, E]`` becomes one rank-2 ``[B*T, D] x [D, E]`` matmul instead of TensorFlow's ``[B, 1, T, D] x [D, E]`` with
-    broadcast batch axes. Each output entry is the same dot product of one row and one column (up
-    to the kernel's order of summation), so the result is each example's product. Products of two
-    per-example operands keep TensorFlow's conversion (both then carry the examples' axis, so their
-    batch shapes are those of the per-example product with that axis in front). Conversion happens
-    when the vectorized function is traced; TensorFlow's converter is restored on exit. Without
-    TensorFlow's converter registry (another TensorFlow version) it does nothing.
+    ``[1, T, D] x [D, E]`` becomes one rank-2 ``[B*T, D] x [D, E]`` matmul instead of
+    TensorFlow's ``[B, 1, T, D] x [D, E]`` with broadcast batch axes. Each output entry is the
+    same dot product of one row and one column (up to the kernel's order of summation), so the
+    result is each example's product. Products of two per-example operands keep TensorFlow's
+    conversion (both then carry the examples' axis, so their batch shapes are those of the
+    per-example product with that axis in front). Conversion happens when the vectorized function
+    is traced; TensorFlow's converter is restored on exit. Without TensorFlow's converter registry
+    (another TensorFlow version) it does nothing.
     """
     global _FOLD_DEPTH
     try:
