@@ -1,6 +1,7 @@
 """dpcore's programs: the console scripts and the benchmark, with what they share.
 
-Layout (imports run down this list, never up):
+Layout (the programs and the dev tools import `peers` and `lib`, `peers` imports `lib`, `lib`
+imports neither; tests/test_experiments_layout.py checks it):
   * `dpcore_experiments.<program>`: the binaries (`train`, `finetune`, `audit`,
     `gradient_stats`, `launch_local`, `tfp_tutorial`: the `dpcore-*` console scripts;
     `benchmark`). Each defines its flags and calls into the packages below.
@@ -10,5 +11,6 @@ Layout (imports run down this list, never up):
     environment) and the parity checks against it.
   * `dpcore_experiments.lib`: the binaries' shared library (program body, output files,
     models, data, training and benchmark steps); it imports no binary.
-`dpcore-epsilon` ships from `dpcore_accounting.cli`.
+`dpcore-epsilon` ships from `dpcore_accounting.cli` (`dpcore_experiments.epsilon`, its old path,
+warns and goes in the next release).
 """
