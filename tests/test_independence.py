@@ -294,6 +294,24 @@ def test_a_layer_without_weights_added_after_a_step_is_probed_again():
         engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
 
 
+@DIVIDED_ACTIVITY
+@pytest.mark.parametrize("later", ["set", "factor raised from 0"])
+def test_an_activity_penalty_set_after_a_step_is_probed_again(later):
+    """The cache did not hold the activity regularizers: a penalty on rows mixed by a side
+    branch, set after the model's first step, kept the cached "verified"."""
+    penalized = keras.layers.Dense(4, name="penalized")
+    if later != "set":
+        penalized.activity_regularizer = keras.regularizers.L2(0.0)
+    model = _penalized_side_branch(_plus_batch_mean(), penalized)
+    engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
+    if later == "set":
+        penalized.activity_regularizer = keras.regularizers.L2(0.5)
+    else:
+        penalized.activity_regularizer.l2 = 0.5
+    with pytest.raises(ValueError, match="downstream of layer 'd1'"):
+        engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
+
+
 def test_the_probe_names_the_last_layer_before_the_mixing():
     inputs = keras.Input((3,))
     h = keras.layers.Dense(6, name="a")(inputs)

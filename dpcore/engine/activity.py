@@ -55,7 +55,9 @@ __all__ = [
     "add_penalties",
     "capture",
     "check",
+    "penalty_factors",
     "regularized_layers",
+    "regularizer_of",
     "weights_for",
 ]
 
@@ -87,6 +89,12 @@ def _original(layer: Any) -> Any:
     return regularizer.original if isinstance(regularizer, _StandIn) else regularizer
 
 
+def regularizer_of(layer: Any) -> Any:
+    """``layer``'s ``activity_regularizer`` as its user set it (never the stand-in of an open
+    :func:`capture`), or None."""
+    return _original(layer)
+
+
 def regularized_layers(model: Any) -> list[tuple[str, Any]]:
     """``(path, layer)`` for every layer under ``model`` (itself included) with an
     ``activity_regularizer``."""
@@ -95,13 +103,19 @@ def regularized_layers(model: Any) -> list[tuple[str, Any]]:
     ]
 
 
+def penalty_factors(regularizer: Any) -> tuple[float, float]:
+    """``(l1, l2)`` of an exact L1, L2 or L1L2 (0 for a factor it lacks), as the penalty reads."""
+    l1 = float(getattr(regularizer, "l1", 0.0) or 0.0)
+    l2 = float(getattr(regularizer, "l2", 0.0) or 0.0)
+    return l1, l2
+
+
 def per_row_penalty(regularizer: Any, output: Any) -> tf.Tensor:
     """``[rows]`` float32: ``regularizer`` (an exact L1, L2 or L1L2) of each row of ``output``."""
     h = tf.cast(output, tf.float32)
     axes = list(range(1, h.shape.rank))
     total = tf.zeros(tf.shape(h)[:1], tf.float32)
-    l1 = float(getattr(regularizer, "l1", 0.0) or 0.0)
-    l2 = float(getattr(regularizer, "l2", 0.0) or 0.0)
+    l1, l2 = penalty_factors(regularizer)
     if l1:
         total += l1 * tf.reduce_sum(tf.abs(h), axis=axes)
     if l2:

@@ -72,9 +72,9 @@ it returns the reason instead: the fast path then computes the whole model by th
 path, which builds each example's gradient from that example alone, and
 :func:`warn_whole_model_fallback` says so once, with the cost, and records it for
 :func:`dpcore.explain.explain`. Results are cached per model, loss object, layers (a layer
-without weights added to a ``Sequential`` changes the model), variables, layer rules, input and
-label signature, static batch size and mode, so inside a ``tf.function`` the probe runs when the
-step is traced.
+without weights added to a ``Sequential`` changes the model), variables, layer rules, activity
+regularizers and their factors, input and label signature, static batch size and mode, so inside
+a ``tf.function`` the probe runs when the step is traced.
 """
 
 from __future__ import annotations
@@ -626,9 +626,10 @@ def check_rows_independent(
 ) -> str | None:
     """Refuses a model or loss that mixes examples; returns why that was not verified, or None.
 
-    Cached per model, ``loss`` object, layers, variables, layer rules, input and label signature,
-    static batch size and mode (the entry holds the objects, so their ids cannot be reused), so
-    inside a ``tf.function`` it runs when the step is traced (see :func:`mixing_probe`).
+    Cached per model, ``loss`` object, layers, variables, layer rules, activity regularizers and
+    their factors, input and label signature, static batch size and mode (the entry holds the
+    objects, so their ids cannot be reused), so inside a ``tf.function`` it runs when the step is
+    traced (see :func:`mixing_probe`).
 
     Args:
       model: a built Keras model.
@@ -663,12 +664,20 @@ def check_rows_independent(
 
         registry = default_registry()
     rules = [r for pair in registry.items() for r in pair]
+    # The activity regularizers, and their factors (a factor of 0 records no penalty): one set
+    # or changed after a step changes each example's loss.
+    regularized = [layer for _, layer in activity.regularized_layers(model)]
+    regularizers = [activity.regularizer_of(layer) for layer in regularized]
+    factors = tuple(
+        (id(layer), *activity.penalty_factors(r)) for layer, r in zip(regularized, regularizers)
+    )
     # Not the model itself: the entry must not keep its key alive.
-    anchors = (*variables, *layers, *rules)
+    anchors = (*variables, *layers, *rules, *regularizers)
     loss_key = loss if isinstance(loss, str) else id(loss)
     key = (
         loss_key,
         tuple(map(id, anchors)),
+        factors,
         batch_signature(x),
         batch_signature(y),
         _static_rows(x),
