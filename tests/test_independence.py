@@ -24,7 +24,7 @@ from dpcore.engine import independence
 from dpcore.losses import per_example_loss_fn
 from dpcore.options import ExecutionOptions
 from dpcore.step import dp_step, dp_train_step
-from tests.models import keras_divides_activity_penalty
+from tests.models import divided_activity
 from tests.test_validation_entry_points import X, Y, _optimizer
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
@@ -135,13 +135,6 @@ def test_a_loss_that_mixes_examples_is_refused(method):
             call()
 
 
-# Keras 3.6 adds an activity penalty undivided by the batch size, and dpcore refuses activity
-# regularizers there before any probe.
-DIVIDED_ACTIVITY = pytest.mark.skipif(
-    not keras_divides_activity_penalty(), reason="this Keras adds activity penalties undivided"
-)
-
-
 def _plus_batch_mean() -> keras.layers.Layer:
     return keras.layers.Lambda(
         lambda h: h + keras.ops.mean(h, axis=0, keepdims=True), name="plus_mean"
@@ -177,7 +170,7 @@ def _penalized_side_branch(mixer=None, regularized=None) -> keras.Model:
     return keras.Model(inputs, joined)
 
 
-@DIVIDED_ACTIVITY
+@divided_activity
 @pytest.mark.parametrize("method", ["fast", "vectorized"])
 @pytest.mark.parametrize(
     "build",
@@ -206,7 +199,7 @@ def test_rows_mixed_into_an_activity_penalty_alone_are_refused_by_every_entry_po
             np.testing.assert_array_equal(np.array(v), b, err_msg=f"{name}: {v.path}")
 
 
-@DIVIDED_ACTIVITY
+@divided_activity
 def test_an_activity_regularized_model_that_keeps_rows_apart_keeps_the_fast_path():
     model = _penalized_side_branch()  # the same penalized branch, without mixing
     assert independence.mixing_probe(
@@ -294,7 +287,7 @@ def test_a_layer_without_weights_added_after_a_step_is_probed_again():
         engine.summarize(model, "mse", X, Y, options=ExecutionOptions(method="fast"))
 
 
-@DIVIDED_ACTIVITY
+@divided_activity
 @pytest.mark.parametrize("later", ["set", "factor raised from 0"])
 def test_an_activity_penalty_set_after_a_step_is_probed_again(later):
     """The cache did not hold the activity regularizers: a penalty on rows mixed by a side

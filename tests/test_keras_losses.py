@@ -26,14 +26,7 @@ from dpcore.testing import (
     reference_per_example_norms,
     reference_unit_gradients,
 )
-from tests.models import keras_divides_activity_penalty
-
-# Keras 3.6 adds an activity penalty undivided by the batch size and dpcore refuses activity
-# regularizers there (tests/test_keras_fit.py checks that refusal on every Keras).
-DIVIDED_ACTIVITY = pytest.mark.skipif(
-    not keras_divides_activity_penalty(), reason="this Keras adds activity penalties undivided"
-)
-
+from tests.models import divided_activity, keras_divides_activity_penalty
 
 # Tests here build noise_multiplier=0 optimizers on purpose (exact, noise-free updates); the
 # warning that such a run is not private is expected in this module.
@@ -444,7 +437,7 @@ def _activity_batch(kind, rng, n=6):
     return rng.normal(size=(n, *shape)).astype("float32"), rng.integers(0, 3, n).astype("int32")
 
 
-@DIVIDED_ACTIVITY
+@divided_activity
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 def test_activity_penalties_enter_each_examples_loss_on_every_path(kind, rng):
     # Example i's loss is its weighted loss plus its own outputs' penalties, unweighted: what
@@ -563,7 +556,7 @@ def test_activity_regularizer_that_may_mix_examples_is_refused(regularizer, rng)
     assert model.get_layer("act").activity_regularizer is regularizer  # left as it was
 
 
-@DIVIDED_ACTIVITY
+@divided_activity
 def test_activity_regularizer_on_an_output_without_rows_first_is_refused(rng):
     # Keras would divide the penalty of a transposed output by its feature count, and its rows
     # are positions, not examples: no example's share can be read from it.
@@ -591,7 +584,7 @@ def test_activity_regularizer_on_an_output_without_rows_first_is_refused(rng):
             )
 
 
-@DIVIDED_ACTIVITY
+@divided_activity
 @pytest.mark.parametrize("method", METHODS)
 def test_activity_penalty_of_huge_activations_is_clipped(method, rng):
     # One record with inputs of 1e4 makes activations, penalties and gradients of ~1e8 and more:
